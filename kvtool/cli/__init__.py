@@ -1,0 +1,1 @@
+"""The `kvtool` command line."""

@@ -1,0 +1,44 @@
+"""Typer application: wires the subcommands and turns KvtoolError into a one-line message."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvtool.errors import KvtoolError
+
+app = typer.Typer(
+    help="Calibrate per-layer KV-cache budgets offline and apply them at generation time.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+inspect_app = typer.Typer(help="Look inside profiles (and models).", no_args_is_help=True)
+app.add_typer(inspect_app, name="inspect")
+
+
+def _register() -> None:
+    # Imported here so `kvtool --help` stays quick and each command lives in its own module.
+    from kvtool.cli import generate, inspect_cmd  # noqa: F401
+
+
+def main() -> None:
+    _register()
+    try:
+        app(standalone_mode=False)
+    except KvtoolError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # click usage errors carry their own formatting
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
