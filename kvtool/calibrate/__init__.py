@@ -1,0 +1,1 @@
+"""Offline calibration: importance statistics, Lorenz curves, per-layer ratios, truncation tuning."""
