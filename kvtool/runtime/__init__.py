@@ -1,1 +1,12 @@
-"""Apply a profile as a per-layer merging/eviction KV cache inside transformers generation."""
+"""Apply a profile as a per-layer merging/eviction KV cache inside transformers generation.
+
+    profile = load_profile("profile.yaml")          # or uniform_profile(model, budget=0.2)
+    handle = attach(model, profile)
+    out = model.generate(**inputs, past_key_values=handle.new_cache(), max_new_tokens=256)
+    handle.detach()
+"""
+
+from kvtool.runtime.attach import KvtoolHandle, attach, load_profile, uniform_profile
+from kvtool.runtime.cache import KvtoolCache
+
+__all__ = ["KvtoolCache", "KvtoolHandle", "attach", "load_profile", "uniform_profile"]

@@ -1,0 +1,130 @@
+"""Attach a profile to a loaded model: the public runtime API."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtool import __version__
+from kvtool.errors import KvtoolError
+from kvtool.profiles import (
+    LayerProfile,
+    MethodSettings,
+    Profile,
+    fingerprint_of,
+    read_profile,
+)
+from kvtool.runtime import attention
+from kvtool.runtime.cache import KvtoolCache
+from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.merge import merge_rule
+
+log = logging.getLogger("kvtool")
+
+FULL_ATTENTION = "full_attention"
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file (one-line KvtoolError on any problem)."""
+    return read_profile(path)
+
+
+def uniform_profile(model, budget: float, method: MethodSettings | None = None) -> Profile:
+    """The same kept ratio in every full-attention layer (Elastic Cache's setting)."""
+    if not (0.0 < budget <= 1.0) or budget != budget:
+        raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget}")
+    fingerprint = fingerprint_of(model)
+    layers = tuple(
+        LayerProfile(ratio=budget if kind == FULL_ATTENTION else 1.0, compress=kind == FULL_ATTENTION)
+        for kind in fingerprint.layer_types
+    )
+    return Profile(
+        budget=budget,
+        model=fingerprint,
+        method=method or MethodSettings(),
+        layers=layers,
+        kvtool_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def layer_plans(profile: Profile) -> list[LayerPlan | None]:
+    rule = merge_rule(profile.method.merge)
+    plans: list[LayerPlan | None] = []
+    for kind, layer in zip(profile.model.layer_types, profile.layers):
+        if kind != FULL_ATTENTION or not layer.compress:
+            plans.append(None)
+            continue
+        plans.append(
+            LayerPlan(
+                ratio=layer.ratio,
+                merge=rule,
+                sink_tokens=profile.method.sink_tokens,
+                recent_window=profile.method.recent_window,
+                truncation_distance=profile.method.truncation_distance,
+            )
+        )
+    return plans
+
+
+@dataclass
+class KvtoolHandle:
+    """A model switched to kvtool attention; `new_cache()` per generate call, `detach()` when done."""
+
+    model: object
+    profile: Profile
+    _previous: dict = field(default_factory=dict)
+    _plans: list = field(default_factory=list)
+    attached: bool = True
+
+    def new_cache(self) -> KvtoolCache:
+        if not self.attached:
+            raise KvtoolError("this kvtool handle was detached; attach the profile again")
+        return KvtoolCache(self.model.config, self._plans)
+
+    def detach(self) -> None:
+        if self.attached:
+            self.model.set_attn_implementation(self._previous)
+            self.attached = False
+
+    def __enter__(self) -> "KvtoolHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+
+def _implementations(model) -> dict:
+    """Current attn_implementation of the model and its sub-configs, in set_attn_implementation's format."""
+    config = model.config
+    current: dict = {"": config._attn_implementation}
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and getattr(sub, "_attn_implementation", None):
+            current[name] = sub._attn_implementation
+    return current
+
+
+def attach(model, profile: Profile) -> KvtoolHandle:
+    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model."""
+    mismatches = profile.model.mismatches(fingerprint_of(model))
+    if mismatches:
+        raise KvtoolError(
+            f"profile is for {profile.model.name} and does not fit this model ({'; '.join(mismatches)})"
+        )
+    name = attention.register()
+    previous = _implementations(model)
+    config = model.config
+    text_config = config.get_text_config(decoder=True)
+    if text_config is config:
+        model.set_attn_implementation(name)
+    else:
+        # Vision-language models: the language model gets kvtool attention, the vision tower keeps its own.
+        target = {key: value for key, value in previous.items() if key}
+        for key in target:
+            if getattr(config, key, None) is text_config:
+                target[key] = name
+        model.set_attn_implementation(target)
+    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=layer_plans(profile))

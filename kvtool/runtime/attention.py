@@ -1,0 +1,51 @@
+"""The `kvtool` attention implementation, registered through transformers' AttentionInterface.
+
+For layers whose cache is a kvtool CompressingLayer it runs the normal sdpa kernel and then:
+- on the prompt forward, scores and compresses that layer's cache;
+- on later forwards, masks by the layer's own slot validity and evicts once the token is attended.
+Every other call (no cache, a plain DynamicCache, sliding-window layers) is exactly sdpa.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvtool.runtime.layer import claim_layer
+
+ATTENTION_NAME = "kvtool"
+
+
+def kvtool_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    layer = claim_layer(key)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if not layer.compressed:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        layer.compress_prompt(query, attention_mask, scaling)
+        return out
+    mask = layer.decode_mask(attention_mask)
+    out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+    layer.evict_over_budget()
+    return out
+
+
+def register() -> str:
+    """Make `kvtool` a valid attn_implementation; idempotent."""
+    AttentionInterface.register(ATTENTION_NAME, kvtool_attention_forward)
+    # Without a registered mask function the attention receives no mask, even for padded batches.
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,138 @@
+"""Batched generation with timing and KV-cache accounting, for any cache the caller supplies."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# kvtool.models first: importing it sets the offline/quiet HF env defaults transformers reads once.
+from kvtool.models.prompts import format_prompts
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList  # noqa: I001
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What one batched `generate` call produced and cost.
+
+    prompt_tokens: real tokens per prompt (padding excluded).
+    new_tokens: generated tokens per prompt, up to and including its first EOS.
+    prefill_s: from just before `model.generate` until the first new token exists (argument
+        handling, the prompt forward pass and the first token's selection).
+    decode_tok_s: batch size * decode steps / decode seconds, where decode steps are the forward
+        passes after the first token. Rows that already finished still ride along in the batch and
+        are counted: this is batch throughput, not useful tokens per second. 0.0 when only one
+        token was generated (no decode step to time).
+    kv_bytes / kv_bytes_full: bytes the cache holds at the end / what a plain cache would hold.
+    total_s: wall time of `model.generate`.
+    """
+
+    outputs: list[str]
+    prompt_tokens: list[int]
+    new_tokens: list[int]
+    prefill_s: float
+    decode_tok_s: float
+    kv_bytes: int
+    kv_bytes_full: int
+    total_s: float
+
+
+class _StepClock(StoppingCriteria):
+    """A StoppingCriteria that never stops anything; it timestamps each generation step.
+
+    transformers calls stopping criteria once per generated token, after that token is chosen,
+    so the first call closes the prefill and each later call closes one decode step.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        if input_ids.device.type == "cuda":
+            torch.cuda.synchronize(input_ids.device)  # kernels are async; time finished work only
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    configured = model.generation_config.eos_token_id
+    if configured is None:
+        configured = tokenizer.eos_token_id
+    if configured is None:
+        return set()
+    return set(configured) if isinstance(configured, (list, tuple)) else {int(configured)}
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1]
+    return tokens
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    cache_factory: Callable[[], Any] | None = None,
+) -> GenerationResult:
+    """Generate a continuation for each prompt as one left-padded batch.
+
+    Greedy when `temperature` is 0, otherwise sampling at that temperature (seeded with `seed`).
+    `cache_factory` builds the cache to use; by default a plain `DynamicCache` for the model's
+    config, created here so its size can be read after generation.
+    """
+    if max_new_tokens < 1:
+        raise KvtoolError("max-new-tokens must be at least 1")
+    if temperature < 0:
+        raise KvtoolError("temperature must be >= 0")
+    texts = format_prompts(tokenizer, prompts)
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
+    sampling: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature}
+        if seed is not None:
+            torch.manual_seed(seed)
+    clock = _StepClock()
+    with torch.inference_mode():
+        started = time.perf_counter()
+        sequences = model.generate(
+            **inputs,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **sampling,
+        )
+        finished = time.perf_counter()
+
+    prompt_width = inputs["input_ids"].shape[1]
+    eos = _eos_ids(model, tokenizer)
+    generated = [_until_eos(row.tolist(), eos) for row in sequences[:, prompt_width:]]
+    outputs = [
+        tokenizer.decode([t for t in row if t not in eos], skip_special_tokens=True) for row in generated
+    ]
+    prefill_end = clock.stamps[0] if clock.stamps else finished
+    decode_steps = max(len(clock.stamps) - 1, 0)
+    decode_s = clock.stamps[-1] - prefill_end if decode_steps else 0.0
+    batch = len(prompts)
+    return GenerationResult(
+        outputs=outputs,
+        prompt_tokens=[int(n) for n in inputs["attention_mask"].sum(dim=1).tolist()],
+        new_tokens=[len(row) for row in generated],
+        prefill_s=prefill_end - started,
+        decode_tok_s=batch * decode_steps / decode_s if decode_s > 0 else 0.0,
+        kv_bytes=kv_bytes(cache),
+        kv_bytes_full=kv_bytes_full(cache),
+        total_s=finished - started,
+    )

@@ -1,0 +1,59 @@
+"""Attention received per prompt token (Elastic Cache / PrefixKV importance), computed in row chunks.
+
+Never materialises the whole n x n map of every layer: one chunk of query rows at a time, next to the
+normal sdpa kernel that produced the layer's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of one chunk's score tensor; 2**24 floats = 64 MiB in float32.
+CHUNK_ELEMENTS = 2**24
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision softmax column sums over thousands of rows lose too much; float64 stays float64.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attention_importance(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    *,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Column sums of the causal attention probabilities over all query rows, averaged over query heads.
+
+    query: [B, Hq, n, D] (after rotary), keys: [B, Hkv, n, D] (the prompt's keys, after rotary),
+    mask: boolean [B, 1, n, n] (True = attend) or None for an unpadded causal prompt.
+    Returns [B, n]: I[b, j] = (1/Hq) * sum_heads sum_rows A[row, j]. Padded query rows (all-False
+    mask rows) and padded key columns contribute nothing.
+    """
+    bsz, n_heads, n_q, head_dim = query.shape
+    n_kv_heads, n_k = keys.shape[1], keys.shape[2]
+    groups = n_heads // n_kv_heads
+    acc = accumulation_dtype(query.dtype)
+    # GQA: group query heads under their KV head, so keys are never repeated in memory.
+    q = query.reshape(bsz, n_kv_heads, groups, n_q, head_dim).to(acc)
+    k = keys.to(acc).unsqueeze(2)  # [B, Hkv, 1, n_k, D]
+    offset = n_k - n_q  # queries are the last n_q positions
+    total = torch.zeros(bsz, n_k, dtype=acc, device=query.device)
+    rows = max(1, chunk_elements // max(1, bsz * n_heads * n_k))
+    for r0 in range(0, n_q, rows):
+        r1 = min(n_q, r0 + rows)
+        end = offset + r1  # causal: no row of this chunk sees a key at or past `end`
+        scores = torch.matmul(q[:, :, :, r0:r1], k[:, :, :, :end].transpose(-1, -2)) * scaling
+        if mask is not None:
+            allowed = mask[:, :, r0:r1, :end].unsqueeze(1)  # [B, 1, 1, c, end]
+        else:
+            row_pos = torch.arange(offset + r0, offset + r1, device=query.device)[:, None]
+            allowed = row_pos >= torch.arange(end, device=query.device)[None, :]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # Fully masked (padded) query rows give NaN: they contribute nothing.
+        probs = torch.nan_to_num(probs, nan=0.0)
+        total[:, :end] += probs.sum(dim=(1, 2, 3))
+    return total / n_heads

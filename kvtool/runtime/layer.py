@@ -1,0 +1,238 @@
+"""A cache layer that compresses its prompt once and then holds at most ceil(R * T) entries.
+
+transformers builds one causal mask per forward for all full-attention layers, indexed by *logical*
+position. This layer therefore reports the logical length (tokens seen, padding columns included)
+while it stores fewer physical slots, and tracks per sequence which slots are valid. The kvtool
+attention function (attention.py) masks by slot validity, so every layer can hold its own length.
+
+Physical slots are unordered: each slot remembers its logical column (`order`), which is all the
+fixed-point queue needs. New tokens fill a free slot (the one the last eviction left), so the
+buffer only grows when the layer's share grows.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.eviction import frozen_prefix, oldest_unfrozen
+from kvtool.runtime.importance import attention_importance
+from kvtool.runtime.merge import MergeRule
+from kvtool.runtime.selection import kept_count, select_tokens
+
+# Slots added when a layer's share outgrows its buffer: the stated floor above the budget.
+GROWTH_SLOTS = 16
+
+# The attention function cannot see the cache; the layer that just ran `update` leaves itself here.
+_handoff = threading.local()
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one compressing layer does; built from a profile."""
+
+    ratio: float
+    merge: MergeRule
+    sink_tokens: int
+    recent_window: int
+    truncation_distance: int
+    # Keep the prompt importance after compressing (calibration reads it; costs one score pass).
+    record_importance: bool = False
+
+
+def claim_layer(key: torch.Tensor) -> "CompressingLayer | None":
+    """The kvtool layer whose `update` returned `key`, if the current attention call belongs to one."""
+    layer = getattr(_handoff, "layer", None)
+    if layer is None or layer.keys is not key:
+        return None
+    _handoff.layer = None
+    return layer
+
+
+class CompressingLayer(DynamicLayer):
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, plan: LayerPlan):
+        super().__init__()
+        self.plan = plan
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seen = 0  # logical columns, padding included: what the shared mask machinery indexes
+        self.valid: torch.Tensor | None = None  # [B, S] slot holds a real entry
+        self.order: torch.Tensor | None = None  # [B, S] logical column of the slot's entry
+        self.frozen: torch.Tensor | None = None  # [B, S] slot is in the frozen prefix
+        self.tokens = np.zeros(0, dtype=np.int64)  # real tokens seen per sequence (T)
+        self.kept = np.zeros(0, dtype=np.int64)  # valid slots per sequence
+        self.compressed = False
+        self.prompt_importance: torch.Tensor | None = None  # [B, n], when the plan records it
+        self.prompt_valid: torch.Tensor | None = None  # [B, n] real (unpadded) prompt columns
+        self._new_slot: torch.Tensor | None = None
+
+    # ----- transformers' cache-layer interface -------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            raise KvtoolError("kvtool caches change shape every step and cannot run under torch.compile")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            bsz, n = key_states.shape[0], key_states.shape[2]
+            self.seen = n
+            self.order = torch.arange(n, device=key_states.device).expand(bsz, n).contiguous()
+        else:
+            if not self.compressed:
+                raise KvtoolError(
+                    "a kvtool cache was used without kvtool attention: call kvtool.runtime.attach(model, profile) first"
+                )
+            if key_states.shape[2] != 1:
+                raise KvtoolError(
+                    "kvtool compresses the whole prompt in one forward; later forwards must feed one token at a time "
+                    "(chunked prefill and multi-token continuation are not supported)"
+                )
+            self._place(key_states, value_states)
+        _handoff.layer = self
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvtoolError("assisted decoding needs to crop the cache, which an evicting kvtool cache cannot do")
+
+    def reset(self) -> None:
+        super().reset()
+        self._clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), np.repeat(np.arange(len(self.tokens)), repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            idx = indices.to(self.keys.device)
+            self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
+
+    def _map_batch(self, fn, host_index: np.ndarray) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.valid, self.order, self.frozen = fn(self.valid), fn(self.order), fn(self.frozen)
+        self.tokens, self.kept = self.tokens[host_index], self.kept[host_index]
+
+    # ----- memory accounting -------------------------------------------------------------------
+
+    def physical_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        tensors = [self.keys, self.values, self.valid, self.order, self.frozen]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def full_bytes(self) -> int:
+        """What a plain DynamicLayer would hold for the same tokens."""
+        if not self.is_initialized:
+            return 0
+        bsz, heads, _, dim = self.keys.shape
+        return 2 * bsz * heads * self.seen * dim * self.keys.element_size()
+
+    def kept_entries(self) -> np.ndarray:
+        """Valid entries per sequence (host copy)."""
+        return self.kept.copy()
+
+    # ----- prompt phase (called by the attention function after the layer's sdpa) -------------
+
+    def compress_prompt(
+        self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> None:
+        keys, values = self.keys, self.values
+        bsz, _, n, _ = keys.shape
+        if mask is None:
+            token_valid = torch.ones(bsz, n, dtype=torch.bool, device=keys.device)
+        else:
+            token_valid = mask[:, 0].diagonal(dim1=-2, dim2=-1).clone()
+        self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
+        plan = self.plan
+        keep = kept_count(plan.ratio, self.tokens)
+        importance = None
+        if plan.ratio < 1.0 or plan.record_importance:
+            importance = attention_importance(query, keys, mask, scaling)
+        if plan.record_importance:
+            self.prompt_importance, self.prompt_valid = importance, token_valid
+        if plan.ratio >= 1.0:
+            index = self.order
+            kept_valid = token_valid
+            frozen_rank = torch.cumsum(token_valid.long(), dim=1) - 1
+        else:
+            selection = select_tokens(
+                importance, token_valid, keep, sink_tokens=plan.sink_tokens, recent_window=plan.recent_window
+            )
+            keys, values = plan.merge.merge(keys, values, selection, token_valid, importance)
+            index, kept_valid = selection.index, selection.valid
+            frozen_rank = torch.arange(index.shape[1], device=keys.device).expand_as(index)
+        frozen_n = torch.as_tensor(frozen_prefix(keep, plan.truncation_distance, plan.sink_tokens), device=keys.device)
+        self.keys, self.values = keys.contiguous(), values.contiguous()
+        self.valid = kept_valid.clone()
+        self.order = index.clone()
+        self.frozen = kept_valid & (frozen_rank < frozen_n[:, None])
+        self.kept = keep
+        self.compressed = True
+
+    # ----- generation phase --------------------------------------------------------------------
+
+    def _place(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write the new token into each sequence's first free slot, growing the buffer if needed."""
+        if int(self.kept.max()) + 1 > self.keys.shape[2]:
+            self._grow(GROWTH_SLOTS)
+        slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
+        bsz, heads, _, dim = self.keys.shape
+        self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), key_states)
+        self.values.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), value_states)
+        column = slot[:, None]
+        self.valid.scatter_(1, column, True)
+        self.frozen.scatter_(1, column, False)
+        self.order.scatter_(1, column, self.seen)
+        self.seen += 1
+        self.tokens = self.tokens + 1
+        self.kept = self.kept + 1
+        self._new_slot = slot
+
+    def _grow(self, slots: int) -> None:
+        bsz, heads, _, dim = self.keys.shape
+        pad = self.keys.new_zeros(bsz, heads, slots, dim)
+        self.keys = torch.cat([self.keys, pad], dim=2)
+        self.values = torch.cat([self.values, pad], dim=2)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(bsz, slots)], dim=1)
+        self.frozen = torch.cat([self.frozen, self.frozen.new_zeros(bsz, slots)], dim=1)
+        self.order = torch.cat([self.order, self.order.new_zeros(bsz, slots)], dim=1)
+
+    def decode_mask(self, given: torch.Tensor | None) -> torch.Tensor:
+        """Boolean [B, 1, 1, S] mask over physical slots for the one new query token."""
+        if given is not None:
+            # A padded new token (not produced by generate, but possible in a bare forward) stays invalid.
+            real = given[:, 0, -1, -1]
+            if not bool(real.all()):
+                self.valid.scatter_(1, self._new_slot[:, None], real[:, None])
+                fake = ~real.cpu().numpy()
+                self.tokens = self.tokens - fake
+                self.kept = self.kept - fake
+        return self.valid[:, None, None, :]
+
+    def evict_over_budget(self) -> None:
+        """Fixed-point elimination: drop the queue's oldest entry where kept > ceil(R * T)."""
+        over = self.kept > kept_count(self.plan.ratio, self.tokens)
+        if not over.any():
+            return
+        victim = oldest_unfrozen(self.valid, self.frozen, self.order)
+        rows = torch.as_tensor(np.flatnonzero(over), device=self.valid.device)
+        self.valid[rows, victim[rows]] = False
+        self.kept = self.kept - over
