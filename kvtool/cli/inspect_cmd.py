@@ -1,0 +1,164 @@
+"""`kvtool inspect ...`: read-only views of profiles."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvtool.cli.app import inspect_app
+from kvtool.profiles import Profile, profile_to_dict, read_profile
+from kvtool.profiles.schema import CalibrationInfo, LayerProfile
+
+_BAR_WIDTH = 20
+# Eighth blocks give the bar sub-character resolution, so 0.20 and 0.22 look different.
+_EIGHTHS = " ▏▎▍▌▋▊▉█"
+_MISSING = "—"
+
+
+@inspect_app.command("profile")
+def inspect_profile(
+    path: Annotated[Path, typer.Argument(help="Profile YAML file to check and summarise.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON instead.")] = False,
+) -> None:
+    """Validate a profile and show its model, budget, method and per-layer kept ratios."""
+    profile = read_profile(path)
+    if as_json:
+        # Plain echo, not rich: the output must stay parseable JSON.
+        typer.echo(json.dumps(profile_to_dict(profile), indent=2, ensure_ascii=False))
+        return
+    console = Console()
+    console.print(summary_grid(profile, path))
+    console.print(layer_table(profile))
+    # soft_wrap keeps the verdict on one line, so it stays greppable whatever the path length.
+    console.print(
+        Text.assemble(
+            ("✓ ", "green"), f"{path} is a valid kvtool profile (schema v{profile.schema_version})"
+        ),
+        soft_wrap=True,
+    )
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summary_grid(profile: Profile, path: Path) -> Table:
+    """Two-column key/value overview of everything except the per-layer rows."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")  # long paths and names wrap instead of being cut off
+    rows = [("Profile", str(path))]
+    rows += _model_rows(profile) + _budget_rows(profile) + _method_rows(profile)
+    if profile.calibration is not None:
+        rows += _calibration_rows(profile.calibration)
+    else:
+        rows.append(("Calibration", "none (uniform profile)"))
+    made = [profile.created, f"kvtool {profile.kvtool_version}" if profile.kvtool_version else ""]
+    rows.append(("Created", " · ".join(part for part in made if part) or _MISSING))
+    for key, value in rows:
+        # Text, not markup: names and paths come from the file and may contain "[...]".
+        grid.add_row(key, Text(value))
+    return grid
+
+
+def _model_rows(profile: Profile) -> list[tuple[str, str]]:
+    m = profile.model
+    shape = (
+        f"{m.num_layers} layers · {m.num_attention_heads} heads / {m.num_kv_heads} KV heads"
+        f" · head_dim {m.head_dim} · hidden {m.hidden_size} · vocab {m.vocab_size}"
+    )
+    counts = Counter(m.layer_types)
+    types = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in counts.items()) or _MISSING
+    return [("Model", f"{m.name} ({m.model_type})"), ("Shape", shape), ("Layer types", types)]
+
+
+def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
+    compressed = [layer.ratio for layer in profile.layers if layer.compress]
+    mean = f"{sum(compressed) / len(compressed):.3f}" if compressed else _MISSING
+    return [
+        ("Budget", f"keeps {profile.budget:.1%} of KV entries (evicts {1 - profile.budget:.1%})"),
+        ("Kept ratios", f"mean {mean} over {len(compressed)} compressed of {len(profile.layers)} layers"),
+    ]
+
+
+def _method_rows(profile: Profile) -> list[tuple[str, str]]:
+    s = profile.method
+    return [
+        (
+            "Method",
+            f"merge {s.merge} · sink tokens {s.sink_tokens} · recent window {s.recent_window}"
+            f" · truncation distance {s.truncation_distance}",
+        )
+    ]
+
+
+def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
+    tokens = info.prompt_tokens
+    rows = [
+        ("Calibration", f"{info.samples} samples · dataset {info.dataset_hash}"),
+        ("Prompt tokens", f"min {tokens.min} · mean {tokens.mean:.1f} · max {tokens.max}"),
+    ]
+    details = [
+        f"retention p {info.retention_p:g}" if info.retention_p is not None else "",
+        f"seed {info.seed}" if info.seed is not None else "",
+        f"{info.seconds:.1f} s" if info.seconds is not None else "",
+    ]
+    if any(details):
+        rows.append(("Run", " · ".join(d for d in details if d)))
+    if info.ppl_full is not None or info.ppl_compressed is not None:
+        full, compressed = _fmt(info.ppl_full, ".3f"), _fmt(info.ppl_compressed, ".3f")
+        rows.append(("Perplexity", f"full {full} → compressed {compressed}"))
+    if info.truncation_ppl:
+        table = ", ".join(f"D={d}: {ppl:.3f}" for d, ppl in sorted(info.truncation_ppl.items()))
+        rows.append(("Truncation PPL", table))
+    return rows
+
+
+# --------------------------------------------------------------------------- per-layer table
+
+
+def layer_table(profile: Profile) -> Table:
+    """One row per layer: kept ratio (number and bar), Gini, spread across samples, compress flag."""
+    table = Table(title="Per-layer KV budget (kept fraction)", title_justify="left")
+    table.add_column("Layer", justify="right")
+    table.add_column("Type")
+    table.add_column("Kept", justify="right")
+    table.add_column("", no_wrap=True, min_width=_BAR_WIDTH)
+    table.add_column("Gini", justify="right")
+    table.add_column("Spread", justify="right")
+    table.add_column("Compress")
+    types = profile.model.layer_types
+    for index, layer in enumerate(profile.layers):
+        kind = types[index] if index < len(types) else ""
+        table.add_row(*_layer_cells(index, kind, layer), style=None if layer.compress else "dim")
+    return table
+
+
+def _layer_cells(index: int, kind: str, layer: LayerProfile) -> list[str | Text]:
+    return [
+        str(index),
+        Text(kind.removesuffix("_attention") or _MISSING),
+        f"{layer.ratio:.3f}",
+        Text(ratio_bar(layer.ratio), style="cyan"),
+        _fmt(layer.gini, ".3f"),
+        _fmt(layer.ratio_std, ".3f", prefix="±"),
+        "yes" if layer.compress else "no",
+    ]
+
+
+def ratio_bar(ratio: float, width: int = _BAR_WIDTH) -> str:
+    """A `width`-character bar filled to `ratio` (clamped to [0, 1]) in eighth-block steps."""
+    eighths = round(max(0.0, min(1.0, ratio)) * width * 8)
+    full, rest = divmod(eighths, 8)
+    bar = "█" * full + (_EIGHTHS[rest] if rest else "")
+    return bar.ljust(width)
+
+
+def _fmt(value: float | None, spec: str, prefix: str = "") -> str:
+    return _MISSING if value is None else f"{prefix}{value:{spec}}"
