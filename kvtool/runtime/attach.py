@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 from dataclasses import dataclass, field
@@ -79,10 +80,15 @@ class KvtoolHandle:
     _plans: list = field(default_factory=list)
     attached: bool = True
 
-    def new_cache(self) -> KvtoolCache:
+    def new_cache(self, *, record_importance: bool = False) -> KvtoolCache:
+        """A fresh cache for one generate call. `record_importance` keeps each layer's prompt
+        importance on the cache (calibration reads it)."""
         if not self.attached:
             raise KvtoolError("this kvtool handle was detached; attach the profile again")
-        return KvtoolCache(self.model.config, self._plans)
+        plans = self._plans
+        if record_importance:
+            plans = [p if p is None else dataclasses.replace(p, record_importance=True) for p in plans]
+        return KvtoolCache(self.model.config, plans)
 
     def detach(self) -> None:
         if self.attached:

@@ -1,0 +1,173 @@
+"""Importance, selection and merging invariants, memory held at the budget, unsupported modes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime import attach, uniform_profile
+from kvtool.runtime.importance import attention_importance
+from kvtool.runtime.layer import GROWTH_SLOTS
+from kvtool.runtime.merge.position import nearest_anchor
+from kvtool.runtime.selection import kept_count, select_tokens
+from tiny_models import left_pad, profile_with, prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+# ----- importance -----------------------------------------------------------------------------
+
+
+def eager_column_sums(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return [att[0].sum(dim=1).mean(dim=0) for att in out.attentions]
+
+
+@pytest.mark.parametrize("lengths", [[33], [33, 20, 27]], ids=["unpadded", "padded"])
+def test_chunked_importance_equals_eager_column_sums(llama, lengths, monkeypatch):
+    # Tiny chunks so the prompt really is scored in several row blocks.
+    monkeypatch.setattr("kvtool.runtime.importance.CHUNK_ELEMENTS", 500)
+    seqs = prompts(lengths)
+    inputs = left_pad(seqs)
+    width = inputs["input_ids"].shape[1]
+    with torch.no_grad(), attach(llama, uniform_profile(llama, 1.0)) as handle:
+        cache = handle.new_cache(record_importance=True)
+        llama(**inputs, past_key_values=cache)
+    for i, seq in enumerate(seqs):
+        want = eager_column_sums(llama, seq[None])
+        pad = width - len(seq)
+        for layer, expected in enumerate(want):
+            got = cache.layers[layer].prompt_importance[i]
+            assert torch.allclose(got[pad:], expected, atol=1e-5, rtol=0)
+            assert torch.all(got[:pad] == 0)
+            assert not cache.layers[layer].prompt_valid[i, :pad].any()
+
+
+def test_importance_function_chunking_is_exact():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 50, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 50, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 1, 50, 50, dtype=torch.bool).tril()
+    mask[1, :, :, :7] = False  # left padding in sequence 1
+    mask[1, :, :7, :] = False
+    whole = attention_importance(q, k, mask, 0.3, chunk_elements=10**9)
+    chunked = attention_importance(q, k, mask, 0.3, chunk_elements=300)
+    assert torch.allclose(whole, chunked, atol=1e-12)
+    assert torch.all(whole[1, :7] == 0)
+    # Every real query row distributes probability 1, so the column sums total the real row count.
+    assert torch.allclose(whole.sum(dim=1), torch.tensor([50.0, 43.0], dtype=torch.float64))
+
+
+# ----- selection and merging -------------------------------------------------------------------
+
+
+def brute_force(importance: np.ndarray, n_real: int, keep: int, sink: int, recent: int) -> list[int]:
+    protected = list(range(min(sink, keep)))
+    tail = [t for t in range(n_real - 1, n_real - 1 - recent, -1) if t not in protected]
+    protected += tail[: keep - len(protected)]
+    rest = sorted((t for t in range(n_real) if t not in protected), key=lambda t: -importance[t])
+    return sorted(protected + rest[: keep - len(protected)])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_selection_is_true_top_k_and_buckets_partition(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 60, size=4)
+    width = int(lengths.max())
+    importance = torch.zeros(4, width, dtype=torch.float64)
+    valid = torch.zeros(4, width, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        importance[b, width - n:] = torch.from_numpy(rng.random(n))
+        valid[b, width - n:] = True
+    ratio = float(rng.uniform(0.05, 1.0))
+    keep = kept_count(ratio, lengths)
+    sel = select_tokens(importance, valid, keep, sink_tokens=2, recent_window=3)
+    bucket = nearest_anchor(sel, valid)
+    for b, n in enumerate(lengths):
+        pad = width - n
+        chosen = sel.index[b][sel.valid[b]].tolist()
+        assert len(chosen) == keep[b] == math.ceil(ratio * n - 1e-9)  # budget met exactly
+        assert [t - pad for t in chosen] == brute_force(importance[b, pad:].numpy(), n, keep[b], 2, 3)
+        # every real token lands in exactly one bucket; padding in none; anchors in their own
+        assert torch.all(bucket[b, :pad] == sel.index.shape[1])
+        assert torch.all((bucket[b, pad:] >= 0) & (bucket[b, pad:] < keep[b]))
+        for slot, anchor in enumerate(chosen):
+            assert bucket[b, anchor] == slot
+
+
+def test_every_layer_meets_its_ratio_exactly(llama):
+    ratios = [0.15, 0.4, 0.7]
+    seqs = prompts([64, 41, 9])
+    profile = profile_with(llama, ratios, sink_tokens=2, recent_window=2)
+    with torch.no_grad(), attach(llama, profile) as handle:
+        cache = handle.new_cache()
+        llama(**left_pad(seqs), past_key_values=cache)
+    lengths = np.array([len(s) for s in seqs])
+    for layer, ratio in enumerate(ratios):
+        expected = np.ceil(ratio * lengths - 1e-9).astype(int)
+        kv = cache.layers[layer]
+        assert kv.kept.tolist() == expected.tolist()
+        assert kv.valid.sum(dim=1).tolist() == expected.tolist()
+
+
+# ----- memory --------------------------------------------------------------------------------
+
+
+def test_memory_stays_at_budget_through_long_generation(llama):
+    ratios = [0.2, 0.35, 0.1]
+    ids = prompts([200])[0][None]
+    profile = profile_with(llama, ratios, sink_tokens=4, recent_window=8)
+    slot_bytes = 2 * llama.config.num_key_value_heads * (64 // 4) * 8  # K and V, float64
+    with torch.no_grad(), attach(llama, profile) as handle:
+        cache = handle.new_cache()
+        out = llama(input_ids=ids, past_key_values=cache)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(257):
+            seen = 200 + step
+            for layer, ratio in enumerate(ratios):
+                kv = cache.layers[layer]
+                share = math.ceil(ratio * seen - 1e-9)
+                assert kv.kept[0] <= share
+                # physical K/V: the share plus at most GROWTH_SLOTS spare slots (the stated floor)
+                assert kv.keys.shape[2] <= share + GROWTH_SLOTS
+                assert kv.physical_bytes() <= (share + GROWTH_SLOTS) * (slot_bytes + 10)
+                if step in (0, 256):
+                    assert kv.full_bytes() == seen * slot_bytes
+            out = llama(input_ids=token, past_key_values=cache)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+# ----- what an evicting cache cannot do ------------------------------------------------------
+
+
+def test_unsupported_modes_fail_clearly(llama):
+    assistant = tiny_llama(layers=1, seed=3)
+    inputs = left_pad(prompts([40]))
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), attach(llama, uniform_profile(llama, 0.3)) as handle:
+        with pytest.raises(KvtoolError, match="assisted decoding"):
+            llama.generate(**inputs, past_key_values=handle.new_cache(), assistant_model=assistant, **kwargs)
+        with pytest.raises(KvtoolError, match="chunked prefill"):
+            llama.generate(**inputs, past_key_values=handle.new_cache(), prefill_chunk_size=8, **kwargs)
+        with pytest.raises(ValueError, match="cache_implementation"):
+            llama.generate(**inputs, past_key_values=handle.new_cache(), cache_implementation="static", **kwargs)
+        # generate never auto-compiles a cache that changes shape every step
+        assert handle.new_cache().is_compileable is False
+        cache = handle.new_cache()
+        with pytest.raises(KvtoolError, match="attach"):
+            # a kvtool cache driven by plain sdpa (not attached) never compresses: refused on the next step
+            handle.detach()
+            llama(**inputs, past_key_values=cache)
+            llama(input_ids=inputs["input_ids"][:, -1:], past_key_values=cache)
