@@ -1,0 +1,110 @@
+"""Load a resolved model + tokenizer ready for batched generation (eval, sdpa, left padding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.errors import KvtoolError
+from kvtool.models.convert import ensure_converted
+from kvtool.models.hf_env import quiet_transformers
+from kvtool.models.resolve import DEFAULT_MODEL, ModelSource, resolve
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for `generate`: `name` is what the user asked for, `source` where it came from."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    source: str
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise KvtoolError(f"unknown dtype '{dtype}' (use one of: {', '.join(_DTYPES)})") from None
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Left padding keeps every prompt's last token in the final column, where generation continues."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise KvtoolError("the tokenizer has neither a pad nor an eos token; cannot batch prompts")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_at_end_of_turn(model: Any, tokenizer: Any) -> None:
+    """Gemma chat turns end with <end_of_turn>, which GGUF metadata does not list as an EOS.
+
+    Gemma's own generation config stops on both; without it, replies run on into a fake next turn.
+    """
+    if not model.config.model_type.startswith("gemma"):
+        return
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    if end_of_turn is None or end_of_turn == tokenizer.unk_token_id:
+        return
+    eos = model.generation_config.eos_token_id
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if end_of_turn not in eos_ids:
+        model.generation_config.eos_token_id = [*eos_ids, end_of_turn]
+
+
+def _load_from(where: str, source: ModelSource, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options: dict[str, Any] = {"local_files_only": True}
+    if source.hub_cache is not None:
+        options["cache_dir"] = source.hub_cache
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **options)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
+    except (OSError, ValueError, KeyError) as exc:
+        # transformers raises these for unreadable/unsupported checkpoints; keep it to one line.
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvtoolError(f"cannot load model '{source.name}' from {where}: {first_line}") from exc
+    return model, tokenizer
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None) -> LoadedModel:
+    """Load `spec` (alias, HF directory, .gguf file, or locally cached hub id) for generation.
+
+    GGUF files are dequantized once into `$KVTOOL_CACHE` (default ~/.cache/kvtool); later loads
+    read that directory. The model is in eval mode with sdpa attention, float32 unless `dtype`.
+    """
+    torch_dtype = _as_dtype(dtype)
+    source = resolve(spec)
+    quiet_transformers()
+    if source.kind == "gguf":
+        where = str(ensure_converted(Path(source.location)))
+        description = f"gguf {source.location} (converted: {where})"
+    elif source.kind == "hub":
+        where = source.location
+        description = f"hub id {source.location} (local cache {source.hub_cache})"
+    else:
+        where = source.location
+        description = f"directory {Path(source.location).resolve()}"
+    model, tokenizer = _load_from(where, source, torch_dtype)
+    model.eval()
+    stop_at_end_of_turn(model, tokenizer)
+    return LoadedModel(model=model, tokenizer=prepare_tokenizer(tokenizer), name=source.name, source=description)
