@@ -36,24 +36,30 @@ def attention_importance(
     n_kv_heads, n_k = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv_heads
     acc = accumulation_dtype(query.dtype)
+    device = query.device
     # GQA: group query heads under their KV head, so keys are never repeated in memory.
-    q = query.reshape(bsz, n_kv_heads, groups, n_q, head_dim).to(acc)
-    k = keys.to(acc).unsqueeze(2)  # [B, Hkv, 1, n_k, D]
+    # The scale is folded into the query once instead of into every chunk of scores.
+    q = (query.to(acc) * scaling).reshape(bsz, n_kv_heads, groups, n_q, head_dim)
+    k_t = keys.to(acc).unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, n_k]
     offset = n_k - n_q  # queries are the last n_q positions
-    total = torch.zeros(bsz, n_k, dtype=acc, device=query.device)
+    total = torch.zeros(bsz, n_k, dtype=acc, device=device)
     rows = max(1, chunk_elements // max(1, bsz * n_heads * n_k))
     for r0 in range(0, n_q, rows):
         r1 = min(n_q, r0 + rows)
         end = offset + r1  # causal: no row of this chunk sees a key at or past `end`
-        scores = torch.matmul(q[:, :, :, r0:r1], k[:, :, :, :end].transpose(-1, -2)) * scaling
+        scores = torch.matmul(q[:, :, :, r0:r1], k_t[..., :end])  # [B, Hkv, g, c, end]
         if mask is not None:
-            allowed = mask[:, :, r0:r1, :end].unsqueeze(1)  # [B, 1, 1, c, end]
+            allowed = mask[:, :, r0:r1, :end]  # [B, 1, c, end]
+            scores.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+            row_real = allowed[:, 0].any(dim=-1)  # [B, c]; padded rows see nothing
         else:
-            row_pos = torch.arange(offset + r0, offset + r1, device=query.device)[:, None]
-            allowed = row_pos >= torch.arange(end, device=query.device)[None, :]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        # Fully masked (padded) query rows give NaN: they contribute nothing.
-        probs = torch.nan_to_num(probs, nan=0.0)
-        total[:, :end] += probs.sum(dim=(1, 2, 3))
+            # Only the chunk's own diagonal block holds future positions.
+            future = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=device).triu(1)
+            scores[..., offset + r0 : end].masked_fill_(future, float("-inf"))
+            row_real = None
+        columns = torch.softmax(scores, dim=-1).sum(dim=(1, 2))  # [B, c, end]
+        if row_real is not None:
+            # Fully masked (padded) query rows give NaN: they contribute nothing.
+            columns = torch.where(row_real.unsqueeze(-1), columns, 0.0)
+        total[:, :end] += columns.sum(dim=1)
     return total / n_heads
