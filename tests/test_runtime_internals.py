@@ -171,3 +171,25 @@ def test_unsupported_modes_fail_clearly(llama):
             handle.detach()
             llama(**inputs, past_key_values=cache)
             llama(input_ids=inputs["input_ids"][:, -1:], past_key_values=cache)
+
+
+def test_truncation_distance_can_be_retuned_on_a_copied_cache(llama):
+    import copy
+
+    ids = prompts([80])[0][None]
+    steps = prompts([30], seed=5)[0]
+    logits = {}
+    for distance, retune in [(3, None), (25, 3)]:
+        profile = profile_with(llama, 0.2, sink_tokens=2, recent_window=2, truncation_distance=distance)
+        with torch.no_grad(), attach(llama, profile) as handle:
+            cache = handle.new_cache()
+            llama(input_ids=ids, past_key_values=cache)
+            if retune is not None:
+                cache = copy.deepcopy(cache)
+                cache.set_truncation_distance(retune)
+            logits[distance] = torch.stack(
+                [llama(input_ids=t.view(1, 1), past_key_values=cache).logits[0, -1] for t in steps]
+            )
+            with pytest.raises(KvtoolError, match="truncation distance"):
+                cache.set_truncation_distance(7)
+    assert torch.allclose(logits[3], logits[25], atol=1e-12)

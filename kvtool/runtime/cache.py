@@ -33,6 +33,11 @@ class KvtoolCache(DynamicCache):
         """Valid entries per compressing layer and sequence."""
         return {i: layer.kept_entries() for i, layer in self.compressing_layers().items()}
 
+    def set_truncation_distance(self, distance: int) -> None:
+        """Use another D for the generation that follows (only between the prompt and the first new token)."""
+        for layer in self.compressing_layers().values():
+            layer.set_truncation_distance(distance)
+
     def tokens_seen(self) -> np.ndarray:
         """Real tokens seen per sequence (T)."""
         layers = list(self.compressing_layers().values())

@@ -13,7 +13,7 @@ buffer only grows when the layer's share grows.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -71,6 +71,8 @@ class CompressingLayer(DynamicLayer):
         self.tokens = np.zeros(0, dtype=np.int64)  # real tokens seen per sequence (T)
         self.kept = np.zeros(0, dtype=np.int64)  # valid slots per sequence
         self.compressed = False
+        self._prompt_columns = 0
+        self._prompt_rank: torch.Tensor | None = None  # [B, S] rank of compressed prompt entries, -1 elsewhere
         self.prompt_importance: torch.Tensor | None = None  # [B, n], when the plan records it
         self.prompt_valid: torch.Tensor | None = None  # [B, n] real (unpadded) prompt columns
         self._new_slot: torch.Tensor | None = None
@@ -126,8 +128,10 @@ class CompressingLayer(DynamicLayer):
             self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
 
     def _map_batch(self, fn, host_index: np.ndarray) -> None:
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.valid, self.order, self.frozen = fn(self.valid), fn(self.order), fn(self.frozen)
+        for name in ("keys", "values", "valid", "order", "frozen", "_prompt_rank"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
         self.tokens, self.kept = self.tokens[host_index], self.kept[host_index]
 
     # ----- memory accounting -------------------------------------------------------------------
@@ -179,13 +183,25 @@ class CompressingLayer(DynamicLayer):
             keys, values = plan.merge.merge(keys, values, selection, token_valid, importance)
             index, kept_valid = selection.index, selection.valid
             frozen_rank = torch.arange(index.shape[1], device=keys.device).expand_as(index)
-        frozen_n = torch.as_tensor(frozen_prefix(keep, plan.truncation_distance, plan.sink_tokens), device=keys.device)
         self.keys, self.values = keys.contiguous(), values.contiguous()
         self.valid = kept_valid.clone()
         self.order = index.clone()
-        self.frozen = kept_valid & (frozen_rank < frozen_n[:, None])
+        self._prompt_columns = self.seen
+        self._prompt_rank = torch.where(kept_valid, frozen_rank, torch.full_like(frozen_rank, -1))
         self.kept = keep
         self.compressed = True
+        self.set_truncation_distance(plan.truncation_distance)
+
+    def set_truncation_distance(self, distance: int) -> None:
+        """Re-freeze the compressed prompt for another D (before generation starts): calibration
+        compresses a prompt once and tries every candidate D on copies of the cache."""
+        if not self.compressed or self.seen != self._prompt_columns:
+            raise KvtoolError("the truncation distance can only be changed between the prompt and the first new token")
+        if self.plan.truncation_distance != distance:
+            self.plan = replace(self.plan, truncation_distance=distance)
+        prompt_kept = (self._prompt_rank >= 0).sum(dim=1).cpu().numpy()
+        frozen_n = torch.as_tensor(frozen_prefix(prompt_kept, distance, self.plan.sink_tokens), device=self.keys.device)
+        self.frozen = (self._prompt_rank >= 0) & (self._prompt_rank < frozen_n[:, None])
 
     # ----- generation phase --------------------------------------------------------------------
 
