@@ -59,8 +59,9 @@ def ensure_converted(gguf: Path, console: Console | None = None) -> Path:
     """Return the converted directory for `gguf`, converting it first if needed.
 
     The conversion is written to a temporary sibling and renamed into place, so the final
-    directory exists only when complete; an interrupted run leaves at most a `.tmp-*` directory,
-    which is never read and is removed by the next conversion.
+    directory exists only when complete. An error or Ctrl-C removes the temporary directory; a
+    killed process may leave a `.tmp-*` directory, which is never read and is removed by a later
+    conversion once it is an hour old.
     """
     target = converted_dir(gguf)
     if target.is_dir():
@@ -78,6 +79,10 @@ def ensure_converted(gguf: Path, console: Console | None = None) -> Path:
         else:
             console.print(message, soft_wrap=True)
             _convert_into(gguf, temp)
+        # mkdtemp makes the directory private (0700); the finished cache gets normal permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        temp.chmod(0o777 & ~umask)
         try:
             os.rename(temp, target)
         except OSError:
