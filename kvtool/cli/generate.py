@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -11,18 +12,33 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
+from kvtool.errors import KvtoolError
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
     from kvtool.models import LoadedModel
     from kvtool.runtime.generate import GenerationResult
 
 
-def build_cache_factory(loaded: LoadedModel) -> Callable[[], Any] | None:
-    """The cache generation should use; None means a plain transformers DynamicCache.
+def choose_profile(loaded: LoadedModel, budget: float | None, profile_path: Path | None) -> tuple[Any, str] | None:
+    """The profile to generate with and a line saying where it came from; None = plain full cache.
 
-    Options that pick a compressing cache (budget, profile) are turned into a factory here.
+    --profile wins (re-derived for --budget when both are given); --budget alone uses the built-in
+    calibrated profile for the model when one ships with kvtool, else the same ratio in every layer.
     """
-    return None
+    from kvtool.profiles.builtin import builtin_profile
+    from kvtool.runtime import load_profile, uniform_profile
+
+    if profile_path is not None:
+        profile = load_profile(profile_path) if budget is None else load_profile(profile_path, budget=budget)
+        return profile, f"profile {profile_path} (budget {profile.budget:g})"
+    if budget is None:
+        return None
+    if not 0.0 < budget <= 1.0:
+        raise KvtoolError(f"--budget must be a kept fraction in (0, 1], got {budget:g}")
+    shipped = builtin_profile(loaded.name, budget)
+    if shipped is not None:
+        return load_profile(shipped), f"built-in calibrated profile {shipped.name} (budget {budget:g})"
+    return uniform_profile(loaded.model, budget), f"uniform profile: ratio {budget:g} in every layer"
 
 
 def human_bytes(count: int) -> str:
@@ -34,10 +50,11 @@ def human_bytes(count: int) -> str:
     raise AssertionError("unreachable")
 
 
-def result_to_dict(model_name: str, result: GenerationResult) -> dict[str, Any]:
+def result_to_dict(model_name: str, result: GenerationResult, cache_note: str) -> dict[str, Any]:
     """The `--json` contract: keep these keys stable, scripts parse them."""
     return {
         "model": model_name,
+        "cache": cache_note,
         "outputs": result.outputs,
         "prompt_tokens": result.prompt_tokens,
         "new_tokens": result.new_tokens,
@@ -49,13 +66,16 @@ def result_to_dict(model_name: str, result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def render(console: Console, loaded: LoadedModel, prompts: list[str], result: GenerationResult) -> None:
+def render(
+    console: Console, loaded: LoadedModel, prompts: list[str], result: GenerationResult, cache_note: str
+) -> None:
     for index, (prompt, output) in enumerate(zip(prompts, result.outputs), start=1):
         # Text objects, not markup strings: prompts and outputs may contain "[...]".
         console.print(Text.assemble((f"[{index}] ", "bold"), (prompt, "dim")))
         console.print(Text(output))
         console.print()
     console.print(Text(f"model {loaded.name}: {loaded.source}", style="dim"), soft_wrap=True)
+    console.print(Text(f"KV cache: {cache_note}", style="dim"), soft_wrap=True)
     table = Table(show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
@@ -65,6 +85,8 @@ def render(console: Console, loaded: LoadedModel, prompts: list[str], result: Ge
     table.add_row("decode", f"{result.decode_tok_s:.1f} tok/s" if result.decode_tok_s else "— (1 token)")
     table.add_row("KV cache", f"{human_bytes(result.kv_bytes)} ({result.kv_bytes:,} B)")
     table.add_row("full cache", f"{human_bytes(result.kv_bytes_full)} ({result.kv_bytes_full:,} B)")
+    if result.kv_bytes_full:
+        table.add_row("kept", f"{result.kv_bytes / result.kv_bytes_full:.1%} of the full cache")
     console.print(table)
 
 
@@ -77,6 +99,13 @@ def generate_command(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; above 0 samples at this temperature.")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
+    budget: Annotated[
+        float | None,
+        typer.Option(help="Kept fraction of the KV cache in (0, 1]; built-in calibrated profile if one ships, else uniform."),
+    ] = None,
+    profile: Annotated[
+        Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Generate continuations for PROMPTs as one batch; report timing and KV-cache bytes."""
@@ -86,18 +115,35 @@ def generate_command(
     from kvtool.runtime.generate import generate
 
     check_prompts(prompts)  # before the slow model load
+    if budget is not None and not 0.0 < budget <= 1.0:
+        raise KvtoolError(f"--budget must be a kept fraction in (0, 1], got {budget:g}")
+    if profile is not None and not profile.is_file():
+        raise KvtoolError(f"profile file not found: {profile}")
     loaded = load_model(model)
-    result = generate(
-        loaded.model,
-        loaded.tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        cache_factory=build_cache_factory(loaded),
-    )
+    chosen = choose_profile(loaded, budget, profile)
+    handle = None
+    cache_factory = None
+    cache_note = "full (uncompressed) cache"
+    if chosen is not None:
+        from kvtool.runtime import attach
+
+        handle = attach(loaded.model, chosen[0])
+        cache_factory, cache_note = handle.new_cache, chosen[1]
+    try:
+        result = generate(
+            loaded.model,
+            loaded.tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            cache_factory=cache_factory,
+        )
+    finally:
+        if handle is not None:
+            handle.detach()
     if as_json:
         # Plain echo, not rich: the output must stay parseable JSON.
-        typer.echo(json.dumps(result_to_dict(loaded.name, result), ensure_ascii=False))
+        typer.echo(json.dumps(result_to_dict(loaded.name, result, cache_note), ensure_ascii=False))
         return
-    render(Console(), loaded, prompts, result)
+    render(Console(), loaded, prompts, result, cache_note)
