@@ -193,3 +193,31 @@ def test_truncation_distance_can_be_retuned_on_a_copied_cache(llama):
             with pytest.raises(KvtoolError, match="truncation distance"):
                 cache.set_truncation_distance(7)
     assert torch.allclose(logits[3], logits[25], atol=1e-12)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_prompt_attention_matches_sdpa(padded):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvtool.runtime.importance import attention_with_importance
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 40, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 40, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 3, 40, 8, generator=g, dtype=torch.float64)
+    mask, v_dirty = None, v.clone()
+    if padded:
+        mask = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
+        mask[1, :, :, :9] = False
+        mask[1, :, :9, :] = False
+        v_dirty[1, :, :9] = float("nan")  # what padded rows of an earlier layer may leave behind
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)[0]
+    got, importance = attention_with_importance(q, k, v_dirty, mask, 0.35, chunk_elements=700)
+    real = slice(9, None) if padded else slice(None)
+    assert torch.allclose(got[1, real], want[1, real], atol=1e-12)
+    assert torch.allclose(got[0], want[0], atol=1e-12)
+    assert torch.allclose(importance, attention_importance(q, k, mask, 0.35), atol=1e-12)
+    if padded:
+        assert torch.all(got[1, :9] == 0)

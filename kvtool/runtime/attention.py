@@ -13,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvtool.runtime.importance import attention_importance, attention_with_importance
 from kvtool.runtime.layer import claim_layer
 
 ATTENTION_NAME = "kvtool"
@@ -34,13 +35,29 @@ def kvtool_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if not layer.compressed:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        layer.compress_prompt(query, attention_mask, scaling)
+        importance = None
+        if layer.compresses and _plain_softmax_attention(dropout, kwargs):
+            # One pass over the scores gives both the output and the importance.
+            output, importance = attention_with_importance(query, key, value, attention_mask, scaling)
+            out = (output, None)
+        else:
+            # Budget 1.0 keeps sdpa's own output bit for bit; scoring (if any) runs beside it.
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+            if layer.needs_importance:
+                importance = attention_importance(query, key, attention_mask, scaling)
+        layer.compress_prompt(attention_mask, importance)
         return out
     mask = layer.decode_mask(attention_mask)
     out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
     layer.evict_over_budget()
     return out
+
+
+def _plain_softmax_attention(dropout: float, kwargs: dict) -> bool:
+    """True when the layer's attention is softmax(q k^T * scale + mask) v with nothing else
+    (no dropout, logit soft-capping, attention sinks or sliding window) and the fused path applies."""
+    extras = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias")
+    return dropout == 0.0 and all(kwargs.get(name) is None for name in extras)
 
 
 def register() -> str:

@@ -32,6 +32,36 @@ def attention_importance(
     Returns [B, n]: I[b, j] = (1/Hq) * sum_heads sum_rows A[row, j]. Padded query rows (all-False
     mask rows) and padded key columns contribute nothing.
     """
+    _, importance = _chunked_attention(query, keys, None, mask, scaling, chunk_elements)
+    return importance
+
+
+def attention_with_importance(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    *,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention output ([B, n, Hq, D], sdpa_attention_forward's layout) and the importance.
+
+    One pass over the scores serves both, so scoring the prompt costs little beyond the attention
+    the layer computes anyway. Padded query rows get a zero output.
+    """
+    out, importance = _chunked_attention(query, keys, values, mask, scaling, chunk_elements)
+    return out, importance
+
+
+def _chunked_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scaling: float,
+    chunk_elements: int,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     bsz, n_heads, n_q, head_dim = query.shape
     n_kv_heads, n_k = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv_heads
@@ -41,6 +71,16 @@ def attention_importance(
     # The scale is folded into the query once instead of into every chunk of scores.
     q = (query.to(acc) * scaling).reshape(bsz, n_kv_heads, groups, n_q, head_dim)
     k_t = keys.to(acc).unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, n_k]
+    v = None
+    out = None
+    if values is not None:
+        v = values.to(acc)
+        if mask is not None:
+            # Padded positions may hold NaN from earlier layers; 0 * NaN would leak into real rows.
+            key_real = mask[:, 0].any(dim=1)  # [B, n_k]: some row may attend to it
+            v = v.masked_fill(~key_real[:, None, :, None], 0.0)
+        v = v.unsqueeze(2)  # [B, Hkv, 1, n_k, D]
+        out = torch.empty(bsz, n_kv_heads, groups, n_q, values.shape[-1], dtype=acc, device=device)
     offset = n_k - n_q  # queries are the last n_q positions
     total = torch.zeros(bsz, n_k, dtype=acc, device=device)
     rows = max(1, chunk_elements // max(1, bsz * n_heads * n_k))
@@ -57,9 +97,13 @@ def attention_importance(
             future = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=device).triu(1)
             scores[..., offset + r0 : end].masked_fill_(future, float("-inf"))
             row_real = None
-        columns = torch.softmax(scores, dim=-1).sum(dim=(1, 2))  # [B, c, end]
+        probs = torch.softmax(scores, dim=-1)
         if row_real is not None:
-            # Fully masked (padded) query rows give NaN: they contribute nothing.
-            columns = torch.where(row_real.unsqueeze(-1), columns, 0.0)
-        total[:, :end] += columns.sum(dim=1)
-    return total / n_heads
+            # Fully masked (padded) query rows give NaN: they contribute nothing and output zero.
+            probs = probs.masked_fill(~row_real[:, None, None, :, None], 0.0)
+        total[:, :end] += probs.sum(dim=(1, 2, 3))
+        if out is not None:
+            out[:, :, :, r0:r1] = torch.matmul(probs, v[:, :, :, :end])
+    if out is not None:
+        out = out.reshape(bsz, n_heads, n_q, -1).transpose(1, 2).contiguous().to(query.dtype)
+    return out, total / n_heads

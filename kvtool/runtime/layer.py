@@ -21,7 +21,6 @@ from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction import frozen_prefix, oldest_unfrozen
-from kvtool.runtime.importance import attention_importance
 from kvtool.runtime.merge import MergeRule
 from kvtool.runtime.selection import kept_count, select_tokens
 
@@ -155,9 +154,16 @@ class CompressingLayer(DynamicLayer):
 
     # ----- prompt phase (called by the attention function after the layer's sdpa) -------------
 
-    def compress_prompt(
-        self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
-    ) -> None:
+    @property
+    def compresses(self) -> bool:
+        return self.plan.ratio < 1.0
+
+    @property
+    def needs_importance(self) -> bool:
+        return self.compresses or self.plan.record_importance
+
+    def compress_prompt(self, mask: torch.Tensor | None, importance: torch.Tensor | None) -> None:
+        """Keep ceil(R * n) entries per sequence (merging the rest), given the prompt's importance."""
         keys, values = self.keys, self.values
         bsz, _, n, _ = keys.shape
         if mask is None:
@@ -167,9 +173,6 @@ class CompressingLayer(DynamicLayer):
         self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
         plan = self.plan
         keep = kept_count(plan.ratio, self.tokens)
-        importance = None
-        if plan.ratio < 1.0 or plan.record_importance:
-            importance = attention_importance(query, keys, mask, scaling)
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid
         if plan.ratio >= 1.0:
