@@ -1,0 +1,80 @@
+"""Per-layer ratios for a budget from priority curves: the one rule calibration and re-budgeting share.
+
+A profile re-derived for another budget (``load_profile(path, budget=0.3)``) must come out as if it
+had been calibrated at that budget from the same samples, so both paths go through
+``solve_ratios`` with the same floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvtool.calibrate.allocation import Allocation, solve_retention
+from kvtool.errors import KvtoolError
+from kvtool.profiles import Profile
+
+# No layer goes below this kept fraction (or the budget, if smaller): a layer whose importance
+# looks concentrated still needs room for its sinks and recent window, which sit inside its share.
+MIN_RATIO = 0.02
+
+
+def check_budget(budget: float) -> float:
+    try:
+        value = float(budget)
+    except (TypeError, ValueError):
+        raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget!r}") from None
+    if not (0.0 < value <= 1.0):  # NaN fails too
+        raise KvtoolError(f"budget must be a kept fraction in (0, 1] (0.2 keeps 20% of the KV cache), got {budget}")
+    return value
+
+
+def floor_for(budget: float) -> float:
+    return min(MIN_RATIO, budget)
+
+
+def stored_p(p: float) -> float | None:
+    """The retention level as a profile stores it: a budget at the floor reaches no level at all."""
+    return p if p > 0.0 else None
+
+
+def solve_ratios(curves: np.ndarray, budget: float) -> Allocation:
+    """Retention level and per-layer ratios (mean == budget) for mean curves ``[Lc, points]``."""
+    return solve_retention(curves, budget, min_ratio=floor_for(budget))
+
+
+def rebudget(profile: Profile, budget: float, source: str = "profile") -> tuple[Profile, Allocation]:
+    """The profile with ratios re-derived for `budget` from its stored priority curves.
+
+    Measurements tied to the old budget (spread across samples, PPLs) are dropped rather than
+    carried over as if they held for the new one; `retention_p` is the new level.
+    """
+    new_budget = check_budget(budget)
+    compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
+    missing = [i for i in compress if not profile.layers[i].priority_curve]
+    if not compress:
+        raise KvtoolError(f"{source}: no layer is compressed, so there is nothing to re-budget")
+    if missing:
+        raise KvtoolError(
+            f"{source}: layer {missing[0]} has no priority curve, so its ratios cannot be re-derived "
+            f"for budget {new_budget:g}; calibrate for that budget instead (kvtool calibrate MODEL --budget {new_budget:g})"
+        )
+    lengths = {len(profile.layers[i].priority_curve) for i in compress}
+    if len(lengths) != 1:
+        raise KvtoolError(f"{source}: the layers' priority curves have different lengths {sorted(lengths)}")
+    curves = np.array([profile.layers[i].priority_curve for i in compress], dtype=np.float64)
+    try:
+        allocation = solve_ratios(curves, new_budget)
+    except ValueError as exc:
+        raise KvtoolError(f"{source}: stored priority curves are unusable ({exc})") from None
+    layers = list(profile.layers)
+    for i, ratio in zip(compress, allocation.ratios):
+        layers[i] = dataclasses.replace(layers[i], ratio=float(ratio), ratio_std=None)
+    calibration = profile.calibration
+    if calibration is not None:
+        calibration = dataclasses.replace(
+            calibration, retention_p=stored_p(allocation.p), truncation_ppl={}, ppl_compressed=None
+        )
+    updated = dataclasses.replace(profile, budget=new_budget, layers=tuple(layers), calibration=calibration)
+    return updated, allocation

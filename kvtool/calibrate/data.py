@@ -1,0 +1,117 @@
+"""Calibration prompts: JSONL loading, seeded sample selection and the dataset hash.
+
+A data file has one JSON object per line, `{"prompt": "...", "answer": "..."}`, the answer optional
+(without one, calibration scores the model's own full-cache continuation). Other keys are allowed
+and ignored, so a file can carry its own metadata (the shipped sets record their sources). Blank
+lines are skipped. Every problem is a one-line KvtoolError naming the file and, where there is
+one, the line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from kvtool.errors import KvtoolError
+
+DEFAULT_DATA = "calibration.jsonl"
+EVALUATION_DATA = "evaluation.jsonl"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One calibration sample; `where` says where it came from (for error messages)."""
+
+    prompt: str
+    answer: str | None = None
+    where: str = ""
+
+    def describe(self, index: int) -> str:
+        """`sample 3 (calibration.jsonl line 17)`: how messages name a selected sample."""
+        return f"sample {index + 1} ({self.where})" if self.where else f"sample {index + 1}"
+
+
+def packaged_data(name: str = DEFAULT_DATA) -> Path:
+    """Path of a prompt set shipped inside the package."""
+    return Path(str(resources.files("kvtool") / "data" / name))
+
+
+def _normalize(text: str) -> str:
+    # The hash must not change with the editor's line endings or a trailing newline, and what is
+    # hashed is exactly what the model sees.
+    return text.replace("\r\n", "\n").replace("\r", "\n").strip()
+
+
+def load_jsonl(path: str | Path | None = None) -> tuple[Record, ...]:
+    """Read a JSONL prompt file (default: the shipped calibration set)."""
+    source = Path(path) if path is not None else packaged_data()
+    name = str(path) if path is not None else source.name
+    if not source.exists():
+        raise KvtoolError(f"{name}: no such data file")
+    if source.is_dir():
+        raise KvtoolError(f"{name}: is a directory, not a JSONL data file")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvtoolError(f"{name}: not UTF-8 text") from None
+    except OSError as exc:
+        raise KvtoolError(f"{name}: cannot read ({exc.strerror or exc})") from exc
+    records = [
+        _parse_line(line, f"{name} line {number}")
+        for number, line in enumerate(text.splitlines(), start=1)
+        if line.strip()
+    ]
+    if not records:
+        raise KvtoolError(f"{name}: no prompts (the file is empty); expected JSONL lines like {{\"prompt\": \"...\"}}")
+    return tuple(records)
+
+
+def _parse_line(line: str, where: str) -> Record:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise KvtoolError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(item, dict):
+        raise KvtoolError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}, got {type(item).__name__}")
+    if "prompt" not in item:
+        raise KvtoolError(f"{where}: missing the \"prompt\" field")
+    prompt = item["prompt"]
+    if not isinstance(prompt, str):
+        raise KvtoolError(f"{where}: \"prompt\" must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise KvtoolError(f"{where}: \"prompt\" is empty")
+    answer = item.get("answer")
+    if answer is not None and not isinstance(answer, str):
+        raise KvtoolError(f"{where}: \"answer\" must be a string or null, got {type(answer).__name__}")
+    if answer is not None and not answer.strip():
+        raise KvtoolError(f"{where}: \"answer\" is empty (leave it out to score the model's own continuation)")
+    return Record(
+        prompt=_normalize(prompt), answer=None if answer is None else _normalize(answer), where=where
+    )
+
+
+def select_samples(records: Sequence[Record], samples: int, seed: int) -> tuple[Record, ...]:
+    """`samples` distinct records drawn with `seed`, in file order (same seed, same selection)."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise KvtoolError(f"samples must be a positive integer, got {samples!r}")
+    if samples > len(records):
+        origin = records[0].where.rsplit(" line ", 1)[0] if records and records[0].where else "the data"
+        raise KvtoolError(f"asked for {samples} samples but {origin} has only {len(records)} prompts")
+    chosen = sorted(random.Random(seed).sample(range(len(records)), samples))
+    return tuple(records[i] for i in chosen)
+
+
+def dataset_hash(records: Sequence[Record]) -> str:
+    """sha256 over the selected records' normalized prompt and answer, in order."""
+    canonical = json.dumps(
+        [{"prompt": r.prompt, "answer": r.answer} for r in records],
+        ensure_ascii=False,
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -1,0 +1,433 @@
+"""`calibrate()`: from a model and prompts to a profile (PrefixKV ratios + a tuned truncation distance).
+
+Per batch of prompts, one prompt forward through a budget-1.0 kvtool cache (exactly the full cache)
+records every compressing layer's importance and leaves the full cache behind, from which the
+reference continuations and their full-cache NLL are generated. The curves of all samples give
+the ratios (solved on the sample-mean curves, spread from per-sample solutions). A second prompt
+forward through the calibrated cache then compresses each batch once for the truncation search.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtool.calibrate.allocation import Allocation, solve_from_samples
+from kvtool.calibrate.batches import Batch, encode_prompt, make_batches
+from kvtool.calibrate.budget import check_budget, floor_for, solve_ratios, stored_p
+from kvtool.calibrate.data import Record, dataset_hash, load_jsonl, select_samples
+from kvtool.calibrate.lorenz import mean_curve
+from kvtool.calibrate.statistics import ImportanceStats, LayerImportance, batch_stats, combine
+from kvtool.calibrate.truncation import (
+    DEFAULT_CANDIDATES,
+    REFERENCE_TOKENS,
+    References,
+    TruncationResult,
+    TruncationScores,
+    reference_continuations,
+    score_candidates,
+)
+from kvtool.errors import KvtoolError
+from kvtool.profiles import (
+    CalibrationInfo,
+    LayerProfile,
+    MethodSettings,
+    Profile,
+    PromptStats,
+    fingerprint_of,
+    save_profile,
+)
+
+# Stage names reported to `progress(stage, done, total)`.
+STAGE_IMPORTANCE = "importance"
+STAGE_REFERENCES = "references"
+STAGE_COMPRESS = "compressed prompts"
+STAGE_TRUNCATION = "truncation"
+
+Progress = Callable[[str, int, int], None]
+
+DEFAULT_SAMPLES = 10
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+# All default samples in one batch: per-token steps cost about the same for 1 row as for 10.
+DEFAULT_BATCH_SIZE = 10
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Everything a calibration run measured; `profile` is what gets written."""
+
+    profile: Profile
+    stats: ImportanceStats
+    allocation: Allocation  # over the compressing layers (stats.layers)
+    per_sample_ratios: np.ndarray  # [S, Lc] each sample solved on its own at the same budget
+    truncation: TruncationResult | None  # None when the search was skipped
+    samples: tuple[Record, ...]
+    seconds: float
+    path: Path | None
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    pass
+
+
+def default_out_path(model_name: str, budget: float) -> Path:
+    """`profiles/<model>-b<budget>.yaml`, the model reduced to a file-name-safe last component."""
+    base = model_name.rstrip("/\\")
+    stem = Path(base).stem if base.lower().endswith(".gguf") else Path(base).name
+    stem = stem.replace(os.sep, "-").replace("/", "-") or "model"
+    return Path("profiles") / f"{stem}-b{budget:g}.yaml"
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail before any model work if `path` cannot be written; leaves nothing behind.
+
+    Probes with a real temporary file (permission bits say nothing when running as root, and
+    read-only mounts only show on write) in the nearest directory that exists.
+    """
+    dest = Path(path)
+    if dest.is_dir():
+        raise KvtoolError(f"cannot write profile to {dest}: it is a directory")
+    parent = dest.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise KvtoolError(f"cannot write profile to {dest}: {parent} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kvtool-probe-", delete=True):
+            pass
+    except OSError as exc:
+        raise KvtoolError(f"cannot write profile to {dest}: {exc.strerror or exc}") from None
+    return dest
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    configured = model.generation_config.eos_token_id
+    if configured is None:
+        configured = tokenizer.eos_token_id
+    if configured is None:
+        return set()
+    return {int(t) for t in configured} if isinstance(configured, (list, tuple)) else {int(configured)}
+
+
+def _validate_options(samples: int, max_prompt_tokens: int, method: MethodSettings, candidates: Sequence[int]) -> None:
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise KvtoolError(f"samples must be a positive integer, got {samples!r}")
+    protected = method.sink_tokens + method.recent_window
+    if max_prompt_tokens <= protected:
+        raise KvtoolError(
+            f"max-prompt-tokens must exceed the {protected} protected tokens "
+            f"({method.sink_tokens} sink + {method.recent_window} recent), got {max_prompt_tokens}"
+        )
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in candidates):
+        raise KvtoolError(f"truncation distances must be integers >= 0, got {list(candidates)}")
+
+
+def _encode_samples(tokenizer: Any, samples: Sequence[Record], max_tokens: int, method: MethodSettings) -> list[list[int]]:
+    protected = method.sink_tokens + method.recent_window
+    encoded = []
+    for index, record in enumerate(samples):
+        ids = encode_prompt(tokenizer, record.prompt, max_tokens)
+        if len(ids) <= protected:
+            raise KvtoolError(
+                f"{record.describe(index)} is {len(ids)} tokens long as the model sees it, not more than the "
+                f"{protected} protected tokens ({method.sink_tokens} sink + {method.recent_window} recent) that "
+                "are always kept: nothing to calibrate on; use longer prompts"
+            )
+        encoded.append(ids)
+    return encoded
+
+
+def _encode_answers(tokenizer: Any, samples: Sequence[Record], rows: Sequence[int]) -> list[list[int] | None]:
+    return [
+        None if samples[r].answer is None else list(tokenizer(samples[r].answer, add_special_tokens=False)["input_ids"])
+        for r in rows
+    ]
+
+
+def _prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
+    device = model.device
+    # Only the last position's logits are needed; the full [B, W, vocab] tensor is most of a
+    # small model's prompt cost.
+    out = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1]
+
+
+def _recorded(cache: Any) -> dict[int, LayerImportance]:
+    return {
+        index: LayerImportance(
+            importance=layer.prompt_importance.detach().cpu().double().numpy(),
+            valid=layer.prompt_valid.detach().cpu().numpy().astype(bool),
+        )
+        for index, layer in cache.compressing_layers().items()
+    }
+
+
+@dataclass
+class _Counter:
+    """Counts one stage's units and reports them; the first report opens the stage's bar, so it
+    is made only when the stage's work begins (the bar's clock starts there)."""
+
+    stage: str
+    total: int
+    progress: Progress
+    done: int = 0
+    started: bool = False
+
+    def start(self) -> "_Counter":
+        if not self.started:
+            self.started = True
+            self.progress(self.stage, self.done, self.total)
+        return self
+
+    def step(self, units: int = 1) -> None:
+        self.done += units
+        self.progress(self.stage, self.done, self.total)
+
+    def finish(self) -> None:
+        self.done = self.total
+        self.progress(self.stage, self.done, self.total)
+
+
+def calibrate(
+    model: Any,
+    budget: float,
+    *,
+    data: str | Path | Sequence[Record] | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int = 0,
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    out: str | Path | None = None,
+    method: MethodSettings | None = None,
+    candidates: Sequence[int] = DEFAULT_CANDIDATES,
+    reference_tokens: int = REFERENCE_TOKENS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: Progress | None = None,
+) -> CalibrationResult:
+    """Calibrate `model` (a spec such as "smollm2", or a LoadedModel) for `budget` (kept fraction).
+
+    `data` is a JSONL path or records (default: the shipped calibration prompts); `samples` of them
+    are drawn with `seed`. With `out` the profile is written atomically there (checked writable
+    before any model work). An empty `candidates` skips the truncation search (the profile keeps
+    the method's D). Same inputs and seed give the same profile, apart from `created` and the
+    recorded `calibration.seconds`.
+    """
+    started = time.perf_counter()
+    budget = check_budget(budget)
+    method = method or MethodSettings()
+    candidates = tuple(candidates)
+    _validate_options(samples, max_prompt_tokens, method, candidates)
+    if reference_tokens < 1 or batch_size < 1:
+        raise KvtoolError("reference tokens and batch size must be at least 1")
+    dest = check_writable(out) if out is not None else None
+    records = tuple(data) if isinstance(data, Sequence) and not isinstance(data, str) else load_jsonl(data)
+    chosen = select_samples(records, samples, seed)
+    report = progress or _no_progress
+
+    loaded = _load(model)
+    tokenizer = loaded.tokenizer
+    encoded = _encode_samples(tokenizer, chosen, max_prompt_tokens, method)
+    batches = make_batches(encoded, batch_size, tokenizer.pad_token_id)
+    answers = [_encode_answers(tokenizer, chosen, batch.rows) for batch in batches]
+    measure = _Measurement(loaded.model, tokenizer, method, reference_tokens, report)
+
+    stats, references = measure.full_pass(batches, answers, with_references=bool(candidates))
+    # Same floor as budget.solve_ratios, so re-budgeting a profile reproduces this solution.
+    allocation, spread = solve_from_samples(stats.curves, budget, min_ratio=floor_for(budget))
+    per_sample = np.stack([solve_ratios(sample, budget).ratios for sample in stats.curves])
+
+    fingerprint = fingerprint_of(loaded.model, name=loaded.name)
+    profile = _build_profile(fingerprint, budget, method, stats, allocation, spread)
+    truncation = None
+    if candidates:
+        truncation = measure.truncation_pass(profile, batches, references, candidates)
+        profile = _with_truncation(profile, truncation)
+    seconds = time.perf_counter() - started
+    profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds)
+    if dest is not None:
+        save_profile(profile, dest)
+    return CalibrationResult(
+        profile=profile,
+        stats=stats,
+        allocation=allocation,
+        per_sample_ratios=per_sample,
+        truncation=truncation,
+        samples=chosen,
+        seconds=seconds,
+        path=dest,
+    )
+
+
+def _load(model: Any) -> Any:
+    if isinstance(model, (str, Path)):
+        from kvtool.models import load_model
+
+        return load_model(str(model))
+    if not all(hasattr(model, attr) for attr in ("model", "tokenizer", "name")):
+        raise KvtoolError(f"calibrate needs a model spec or a LoadedModel, got {type(model).__name__}")
+    return model
+
+
+@dataclass
+class _Measurement:
+    """The two passes over the batches; holds what both need."""
+
+    model: Any
+    tokenizer: Any
+    method: MethodSettings
+    reference_tokens: int
+    progress: Progress
+
+    def full_pass(
+        self, batches: list[Batch], answers: list[list[list[int] | None]], *, with_references: bool
+    ) -> tuple[ImportanceStats, list[References]]:
+        import torch
+
+        from kvtool.runtime import attach, uniform_profile
+
+        samples = sum(len(b.rows) for b in batches)
+        importance = _Counter(STAGE_IMPORTANCE, samples, self.progress).start()
+        steps = _Counter(STAGE_REFERENCES, len(batches) * (self.reference_tokens - 1), self.progress)
+        parts, references = [], []
+        eos = _eos_ids(self.model, self.tokenizer)
+        handle = attach(self.model, uniform_profile(self.model, 1.0, self.method))
+        try:
+            with torch.inference_mode():
+                for batch, batch_answers in zip(batches, answers):
+                    cache = handle.new_cache(record_importance=True)
+                    first_logits = _prompt_forward(self.model, batch, cache)
+                    parts.append((batch.rows, self._stats(cache)))
+                    importance.step(len(batch.rows))
+                    if with_references:
+                        steps.start()
+                        references.append(
+                            reference_continuations(
+                                self.model, cache, first_logits, batch,
+                                length=self.reference_tokens, eos_ids=eos,
+                                pad_id=self.tokenizer.pad_token_id, answers=batch_answers, on_step=steps.step,
+                            )
+                        )
+                    del cache
+        finally:
+            handle.detach()
+        if with_references:
+            steps.finish()
+        return combine(parts, samples), references
+
+    def _stats(self, cache: Any) -> ImportanceStats:
+        return batch_stats(
+            _recorded(cache), sink_tokens=self.method.sink_tokens, recent_window=self.method.recent_window
+        )
+
+    def truncation_pass(
+        self, profile: Profile, batches: list[Batch], references: list[References], candidates: tuple[int, ...]
+    ) -> TruncationResult:
+        import torch
+
+        from kvtool.runtime import attach
+
+        scores = TruncationScores(candidates)
+        compress = _Counter(STAGE_COMPRESS, sum(len(b.rows) for b in batches), self.progress).start()
+        total = sum(max(r.steps - 1, 0) for r in references) * len(candidates)
+        steps = _Counter(STAGE_TRUNCATION, total, self.progress)
+        handle = attach(self.model, profile)
+        try:
+            with torch.inference_mode():
+                for batch, refs in zip(batches, references):
+                    cache = handle.new_cache()
+                    first_logits = _prompt_forward(self.model, batch, cache)
+                    compress.step(len(batch.rows))
+                    scores.full.add(refs.nll_full, refs.scored)
+                    steps.start()
+                    score_candidates(self.model, cache, first_logits, batch, refs, scores, on_step=steps.step)
+                    del cache
+        finally:
+            handle.detach()
+        steps.finish()
+        return scores.result(default=self.method.truncation_distance)
+
+
+def _build_profile(
+    fingerprint: Any,
+    budget: float,
+    method: MethodSettings,
+    stats: ImportanceStats,
+    allocation: Allocation,
+    spread: np.ndarray,
+) -> Profile:
+    from kvtool import __version__
+
+    curves = mean_curve(stats.curves)
+    gini = stats.layer_gini()
+    position = {layer: j for j, layer in enumerate(stats.layers)}
+    layers = []
+    for index in range(fingerprint.num_layers):
+        j = position.get(index)
+        if j is None:
+            # Sliding-window layers hold a bounded window already; kvtool leaves them alone.
+            layers.append(LayerProfile(ratio=1.0, compress=False))
+            continue
+        layers.append(
+            LayerProfile(
+                ratio=float(allocation.ratios[j]),
+                compress=True,
+                gini=float(gini[j]),
+                ratio_std=float(spread[j]),
+                priority_curve=tuple(float(v) for v in curves[j]),
+            )
+        )
+    return Profile(
+        budget=budget,
+        model=fingerprint,
+        method=method,
+        layers=tuple(layers),
+        kvtool_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _with_truncation(profile: Profile, truncation: TruncationResult) -> Profile:
+    import dataclasses
+
+    method = dataclasses.replace(profile.method, truncation_distance=truncation.best)
+    return dataclasses.replace(profile, method=method)
+
+
+def _with_calibration(
+    profile: Profile,
+    samples: Sequence[Record],
+    stats: ImportanceStats,
+    allocation: Allocation,
+    truncation: TruncationResult | None,
+    seed: int,
+    seconds: float,
+) -> Profile:
+    import dataclasses
+
+    tokens = stats.prompt_tokens
+    info = CalibrationInfo(
+        dataset_hash=dataset_hash(samples),
+        samples=len(samples),
+        prompt_tokens=PromptStats(min=int(tokens.min()), mean=float(tokens.mean()), max=int(tokens.max())),
+        retention_p=stored_p(allocation.p),
+        truncation_ppl=dict(truncation.ppl) if truncation else {},
+        ppl_full=truncation.ppl_full if truncation else None,
+        ppl_compressed=truncation.ppl_compressed if truncation else None,
+        seed=seed,
+        seconds=round(seconds, 1),
+    )
+    return dataclasses.replace(profile, calibration=info)

@@ -1,0 +1,91 @@
+"""Per-sample, per-layer importance statistics: cumulative-priority curves and Gini coefficients.
+
+Only the compressible tokens enter a curve. The sinks and the recent window are kept whatever
+their score, so they are not part of what the per-layer ratio decides; leaving them in would also
+let the huge attention mass of the first token dominate every layer's curve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtool.calibrate.lorenz import gini_from_importance, priority_curve
+
+# Samples per stored curve; the ratios are solved on exactly these curves, so a profile re-derived
+# from its own curves at its own budget gives its own ratios back.
+CURVE_POINTS = 201
+
+
+@dataclass(frozen=True)
+class LayerImportance:
+    """One compressing layer's prompt importance for a batch (host copies)."""
+
+    importance: np.ndarray  # [B, n] attention received per prompt column
+    valid: np.ndarray  # [B, n] bool, real (unpadded) columns
+
+
+@dataclass(frozen=True)
+class ImportanceStats:
+    """Statistics of S samples over the Lc compressing layers (rows in sample order)."""
+
+    layers: tuple[int, ...]  # model layer index of each compressing layer
+    curves: np.ndarray  # [S, Lc, points] priority curves of the compressible tokens
+    gini: np.ndarray  # [S, Lc] exact Gini of the same tokens
+    prompt_tokens: np.ndarray  # [S] real prompt tokens
+
+    def layer_gini(self) -> np.ndarray:
+        """[Lc] mean Gini over samples (equals the Gini of the mean curve, up to the grid)."""
+        return self.gini.mean(axis=0)
+
+
+def compressible(importance: np.ndarray, valid: np.ndarray, sink_tokens: int, recent_window: int) -> np.ndarray:
+    """The importance of one row's real tokens, minus the protected sinks and recent window."""
+    real = importance[valid]
+    end = len(real) - recent_window
+    if end <= sink_tokens:
+        raise ValueError(
+            f"a prompt of {len(real)} tokens has nothing to compress beside its "
+            f"{sink_tokens} sink and {recent_window} recent tokens"
+        )
+    return real[sink_tokens:end]
+
+
+def batch_stats(
+    layers: dict[int, LayerImportance],
+    *,
+    sink_tokens: int,
+    recent_window: int,
+    points: int = CURVE_POINTS,
+) -> ImportanceStats:
+    """Curves and Gini for every row of one batch and every compressing layer."""
+    order = tuple(sorted(layers))
+    if not order:
+        raise ValueError("the model has no compressing (full-attention) layer to calibrate")
+    first = layers[order[0]]
+    rows = first.importance.shape[0]
+    curves = np.empty((rows, len(order), points))
+    gini = np.empty((rows, len(order)))
+    for j, index in enumerate(order):
+        layer = layers[index]
+        for b in range(rows):
+            scores = compressible(layer.importance[b], layer.valid[b], sink_tokens, recent_window)
+            curves[b, j] = priority_curve(scores, points)
+            gini[b, j] = gini_from_importance(scores)
+    tokens = first.valid.sum(axis=1).astype(np.int64)
+    return ImportanceStats(layers=order, curves=curves, gini=gini, prompt_tokens=tokens)
+
+
+def combine(parts: Sequence[tuple[Sequence[int], ImportanceStats]], samples: int) -> ImportanceStats:
+    """Put per-batch statistics back into sample order; `parts` pairs each batch's rows with its stats."""
+    layers = parts[0][1].layers
+    points = parts[0][1].curves.shape[-1]
+    curves = np.empty((samples, len(layers), points))
+    gini = np.empty((samples, len(layers)))
+    tokens = np.empty(samples, dtype=np.int64)
+    for rows, stats in parts:
+        index = list(rows)
+        curves[index], gini[index], tokens[index] = stats.curves, stats.gini, stats.prompt_tokens
+    return ImportanceStats(layers=layers, curves=curves, gini=gini, prompt_tokens=tokens)
