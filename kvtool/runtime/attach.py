@@ -27,9 +27,25 @@ log = logging.getLogger("kvtool")
 FULL_ATTENTION = "full_attention"
 
 
-def load_profile(path: str | Path) -> Profile:
-    """Read and validate a profile file (one-line KvtoolError on any problem)."""
-    return read_profile(path)
+def load_profile(path: str | Path, budget: float | None = None) -> Profile:
+    """Read and validate a profile file (one-line KvtoolError on any problem).
+
+    With a `budget` other than the profile's, the per-layer ratios are re-derived for it from the
+    stored priority curves (no model run) and a warning line says so; a profile without curves
+    cannot be re-budgeted.
+    """
+    profile = read_profile(path)
+    if budget is None or float(budget) == profile.budget:
+        return profile
+    from kvtool.calibrate.budget import rebudget
+
+    updated, allocation = rebudget(profile, budget, source=str(path))
+    log.warning(
+        "kvtool: %s was calibrated for budget %g; re-derived its per-layer ratios for budget %g "
+        "from the stored priority curves (retention p %.4f)",
+        path, profile.budget, updated.budget, allocation.p,
+    )
+    return updated
 
 
 def uniform_profile(model, budget: float, method: MethodSettings | None = None) -> Profile:

@@ -1,0 +1,149 @@
+"""`kvtool calibrate MODEL --budget B`: measure a model's per-layer importance and write a profile."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from kvtool.cli.app import app
+
+if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
+    from kvtool.calibrate.runner import CalibrationResult
+    from kvtool.calibrate.truncation import TruncationResult
+
+
+class StageBars:
+    """One rich progress bar per calibration stage, created when the stage first reports."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._tasks: dict[str, int] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self._tasks:
+            self._tasks[stage] = self._progress.add_task(stage, total=max(total, 1))
+        self._progress.update(self._tasks[stage], completed=min(done, total), total=max(total, 1))
+
+
+def progress_bars(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<19}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def passive_openmp() -> None:
+    """Let idle OpenMP threads sleep instead of spinning; must run before torch is imported.
+
+    Calibration runs hundreds of one-token forwards whose matmuls are tiny. With spinning threads,
+    a CPU shared with any other busy process turns each barrier into a wait for a descheduled
+    thread: on a 2-core machine that made per-token steps 10-20x slower. An explicit setting wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@app.command("calibrate")
+def calibrate_command(
+    model: Annotated[
+        str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")
+    ],
+    budget: Annotated[float, typer.Option("--budget", help="Fraction of KV entries KEPT, in (0, 1]; 0.2 evicts 80%.")],
+    data: Annotated[
+        Path | None, typer.Option("--data", help='JSONL prompts, one {"prompt": ..., "answer": optional} per line.')
+    ] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Prompts drawn from the data.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draw.")] = 0,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Profile to write [default: profiles/<model>-b<budget>.yaml].")
+    ] = None,
+    max_prompt_tokens: Annotated[
+        int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle to this many tokens.")
+    ] = 1024,
+) -> None:
+    """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
+    passive_openmp()
+    # Imported here so `kvtool --help` does not pay for torch/transformers.
+    from kvtool.calibrate.budget import check_budget
+    from kvtool.calibrate.runner import calibrate, check_writable, default_out_path
+
+    model_budget = check_budget(budget)
+    dest = check_writable(out if out is not None else default_out_path(model, model_budget))
+    stderr = Console(stderr=True)
+    with progress_bars(stderr) as bars:
+        result = calibrate(
+            model,
+            model_budget,
+            data=data,
+            samples=samples,
+            seed=seed,
+            max_prompt_tokens=max_prompt_tokens,
+            out=dest,
+            progress=StageBars(bars),
+        )
+    render_summary(Console(), result)
+
+
+def render_summary(console: Console, result: CalibrationResult) -> None:
+    from kvtool.cli.inspect_cmd import layer_table
+
+    profile = result.profile
+    info = profile.calibration
+    console.print(layer_table(profile))
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold", no_wrap=True)
+    facts.add_column()
+    tokens = info.prompt_tokens if info else None
+    facts.add_row("Budget", f"keeps {profile.budget:.1%} of KV entries, mean kept ratio {_mean_ratio(profile):.4f}")
+    facts.add_row("Retention p", f"{result.allocation.p:.4f} (every compressed layer keeps this share of its importance)")
+    if tokens is not None:
+        facts.add_row(
+            "Samples",
+            f"{len(result.samples)} prompts · tokens min {tokens.min} · mean {tokens.mean:.0f} · max {tokens.max}",
+        )
+    if result.truncation is not None:
+        facts.add_row("Truncation D", f"{result.truncation.best} (lowest calibration PPL)")
+        facts.add_row(
+            "Calibration PPL",
+            f"full {result.truncation.ppl_full:.3f} → compressed {result.truncation.ppl_compressed:.3f}"
+            f" over {result.truncation.tokens} reference tokens",
+        )
+    facts.add_row("Time", f"{result.seconds:.1f} s")
+    if result.path is not None:
+        facts.add_row("Profile", Text(str(result.path)))
+    parts = [facts] if result.truncation is None else [truncation_table(result.truncation), facts]
+    console.print(Group(*parts))
+
+
+def truncation_table(truncation: TruncationResult) -> Table:
+    table = Table(
+        title="Truncation distance D", caption="teacher-forced PPL of the full-cache references", title_justify="left"
+    )
+    table.add_column("D", justify="right")
+    table.add_column("PPL", justify="right")
+    table.add_column("vs full", justify="right")
+    for distance in sorted(truncation.ppl):
+        ppl = truncation.ppl[distance]
+        chosen = distance == truncation.best
+        table.add_row(
+            f"{distance}{' *' if chosen else ''}",
+            f"{ppl:.3f}",
+            f"{ppl / truncation.ppl_full - 1:+.1%}",
+            style="bold green" if chosen else None,
+        )
+    return table
+
+
+def _mean_ratio(profile) -> float:
+    ratios = [layer.ratio for layer in profile.layers if layer.compress]
+    return sum(ratios) / len(ratios) if ratios else 1.0

@@ -1,0 +1,131 @@
+"""`kvtool inspect gini PROFILE|MODEL`: how concentrated each layer's attention importance is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvtool.cli.app import inspect_app
+from kvtool.cli.inspect_cmd import ratio_bar
+from kvtool.profiles import Profile, read_profile
+
+_PROFILE_SUFFIXES = (".yaml", ".yml")
+_MISSING = "—"
+
+
+def is_profile_path(target: str) -> bool:
+    """A YAML file name is a profile (missing or not: read_profile then says so); anything else is a model."""
+    return Path(target).suffix.lower() in _PROFILE_SUFFIXES and not Path(target).is_dir()
+
+
+def gini_json(profile: Profile) -> dict[str, Any]:
+    """The `--json` contract other tools read: keep these keys stable."""
+    info = profile.calibration
+    return {
+        "budget": profile.budget,
+        "p": info.retention_p if info is not None else None,
+        "truncation_distance": profile.method.truncation_distance,
+        "layers": [
+            {"layer": i, "ratio": layer.ratio, "gini": layer.gini, "ratio_std": layer.ratio_std}
+            for i, layer in enumerate(profile.layers)
+        ],
+    }
+
+
+def gini_table(profile: Profile, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("Layer", justify="right")
+    table.add_column("Gini", justify="right")
+    table.add_column("", no_wrap=True)
+    table.add_column("Kept", justify="right")
+    table.add_column("", no_wrap=True)
+    table.add_column("Spread", justify="right")
+    for index, layer in enumerate(profile.layers):
+        gini = _MISSING if layer.gini is None else f"{layer.gini:.3f}"
+        gini_bar = "" if layer.gini is None else ratio_bar(layer.gini)
+        spread = _MISSING if layer.ratio_std is None else f"±{layer.ratio_std:.3f}"
+        table.add_row(
+            str(index),
+            gini,
+            Text(gini_bar, style="magenta"),
+            f"{layer.ratio:.3f}",
+            Text(ratio_bar(layer.ratio), style="cyan"),
+            spread,
+            style=None if layer.compress else "dim",
+        )
+    return table
+
+
+def _caption(profile: Profile) -> str:
+    info = profile.calibration
+    parts = [f"budget {profile.budget:g}"]
+    if info is not None and info.retention_p is not None:
+        parts.append(f"retention p {info.retention_p:.4f}")
+    parts.append(f"truncation distance {profile.method.truncation_distance}")
+    if info is not None:
+        parts.append(f"{info.samples} samples")
+    return " · ".join(parts)
+
+
+@inspect_app.command("gini")
+def inspect_gini(
+    target: Annotated[str, typer.Argument(help="Profile YAML, or a model (alias, directory, .gguf) to measure now.")],
+    data: Annotated[Path | None, typer.Option("--data", help="JSONL prompts when TARGET is a model.")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Prompts drawn when TARGET is a model.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draw (model only).")] = 0,
+    budget: Annotated[float, typer.Option("--budget", help="Kept fraction to solve for (model only).")] = 0.2,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Prompt length limit (model only).")] = 1024,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write Lorenz curves and ratio/Gini per layer to this PNG.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the per-layer statistics as JSON.")] = False,
+) -> None:
+    """Per-layer Gini coefficient, kept ratio and spread, from a profile or measured on a model."""
+    if plot is not None:
+        from kvtool.cli.gini_plot import require_matplotlib
+
+        require_matplotlib()  # before any slow work
+    if is_profile_path(target):
+        profile = read_profile(target)
+        title = f"Importance concentration per layer: {target}"
+    else:
+        profile = _measure(target, data, samples, seed, budget, max_prompt_tokens)
+        title = f"Importance concentration per layer: {target} (measured now, D not tuned)"
+    if plot is not None:
+        from kvtool.cli.gini_plot import plot_profile
+
+        plot_profile(profile, plot)
+    if as_json:
+        # Plain echo, not rich: the output must stay parseable JSON.
+        typer.echo(json.dumps(gini_json(profile)))
+        return
+    console = Console()
+    console.print(gini_table(profile, title))
+    console.print(Text(_caption(profile), style="dim"), soft_wrap=True)
+    if plot is not None:
+        console.print(Text(f"plot written to {plot}"), soft_wrap=True)
+
+
+def _measure(model: str, data: Path | None, samples: int, seed: int, budget: float, max_prompt_tokens: int) -> Profile:
+    """Calibrate without writing and without the truncation search (the curves are what is shown)."""
+    from kvtool.cli.calibrate import StageBars, passive_openmp, progress_bars
+
+    passive_openmp()
+    from kvtool.calibrate.runner import calibrate
+
+    with progress_bars(Console(stderr=True)) as bars:
+        result = calibrate(
+            model,
+            budget,
+            data=data,
+            samples=samples,
+            seed=seed,
+            max_prompt_tokens=max_prompt_tokens,
+            candidates=(),
+            progress=StageBars(bars),
+        )
+    return result.profile
