@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -20,27 +20,34 @@ if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
 
 
 class StageBars:
-    """One rich progress bar per calibration stage, created when the stage first reports."""
+    """Rich progress bars on stderr, one per calibration stage, each created when its stage first
+    reports. The display starts with the first report, so an early error prints nothing else."""
 
-    def __init__(self, progress: Progress) -> None:
-        self._progress = progress
-        self._tasks: dict[str, int] = {}
+    def __init__(self, console: Console) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description:<19}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self._tasks: dict[str, TaskID] = {}
+        self._started = False
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if not self._started:
+            self._progress.start()
+            self._started = True
         if stage not in self._tasks:
             self._tasks[stage] = self._progress.add_task(stage, total=max(total, 1))
         self._progress.update(self._tasks[stage], completed=min(done, total), total=max(total, 1))
 
+    def __enter__(self) -> "StageBars":
+        return self
 
-def progress_bars(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description:<19}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
+    def __exit__(self, *exc: object) -> None:
+        if self._started:
+            self._progress.stop()
 
 
 def passive_openmp() -> None:
@@ -79,8 +86,7 @@ def calibrate_command(
 
     model_budget = check_budget(budget)
     dest = check_writable(out if out is not None else default_out_path(model, model_budget))
-    stderr = Console(stderr=True)
-    with progress_bars(stderr) as bars:
+    with StageBars(Console(stderr=True)) as bars:
         result = calibrate(
             model,
             model_budget,
@@ -89,7 +95,7 @@ def calibrate_command(
             seed=seed,
             max_prompt_tokens=max_prompt_tokens,
             out=dest,
-            progress=StageBars(bars),
+            progress=bars,
         )
     render_summary(Console(), result)
 

@@ -112,12 +112,12 @@ def inspect_gini(
 
 def _measure(model: str, data: Path | None, samples: int, seed: int, budget: float, max_prompt_tokens: int) -> Profile:
     """Calibrate without writing and without the truncation search (the curves are what is shown)."""
-    from kvtool.cli.calibrate import StageBars, passive_openmp, progress_bars
+    from kvtool.cli.calibrate import StageBars, passive_openmp
 
     passive_openmp()
     from kvtool.calibrate.runner import calibrate
 
-    with progress_bars(Console(stderr=True)) as bars:
+    with StageBars(Console(stderr=True)) as bars:
         result = calibrate(
             model,
             budget,
@@ -126,6 +126,6 @@ def _measure(model: str, data: Path | None, samples: int, seed: int, budget: flo
             seed=seed,
             max_prompt_tokens=max_prompt_tokens,
             candidates=(),
-            progress=StageBars(bars),
+            progress=bars,
         )
     return result.profile

@@ -1,0 +1,334 @@
+"""Calibration pipeline on tiny random models: profile contents, determinism, bad inputs, re-budgeting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_word_tokenizer
+from kvtool.calibrate.data import Record, dataset_hash, load_jsonl, packaged_data, select_samples
+from kvtool.calibrate.runner import calibrate, check_writable, default_out_path
+from kvtool.calibrate.truncation import DEFAULT_CANDIDATES
+from kvtool.errors import KvtoolError
+from kvtool.models import LoadedModel, prepare_tokenizer
+from kvtool.profiles import profile_to_dict, read_profile, save_profile
+from kvtool.runtime import attach, load_profile, uniform_profile
+from tiny_models import tiny_gemma3, tiny_llama
+
+WORDS = (
+    "the cat dog sat on mat and it ran away to house big small red blue green one two three four "
+    "five yes no good bad day night sun moon tree river who what why how is are I you we they"
+).split()
+
+# Small runs: the pipeline is the same at any length, and the tests share a 2-core machine.
+FAST = {"reference_tokens": 6, "candidates": (0, 8, 25)}
+
+
+def word_prompts(count: int, seed: int = 0, low: int = 30, high: int = 60) -> list[Record]:
+    rng = random.Random(seed)
+    return [
+        Record(prompt=" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))), where=f"test {i + 1}")
+        for i in range(count)
+    ]
+
+
+def loaded(model: torch.nn.Module, name: str = "tiny") -> LoadedModel:
+    return LoadedModel(model=model, tokenizer=prepare_tokenizer(make_word_tokenizer()), name=name, source="test")
+
+
+def sharpened_llama(scales: tuple[float, ...]) -> LoadedModel:
+    """Layer l's queries scaled by scales[l]: larger scales concentrate its attention (higher Gini)."""
+    model = tiny_llama(dtype=torch.float32, layers=len(scales), seed=3)
+    with torch.no_grad():
+        for layer, scale in zip(model.model.layers, scales):
+            layer.self_attn.q_proj.weight.mul_(scale)
+    return loaded(model)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    # Random init gives near-uniform attention; only a large query scale sharpens it noticeably.
+    return sharpened_llama((400.0, 60.0, 1.0))
+
+
+@pytest.fixture(scope="module")
+def result(tiny: LoadedModel):
+    return calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, **FAST)
+
+
+def compressed_ratios(profile) -> np.ndarray:
+    return np.array([layer.ratio for layer in profile.layers if layer.compress])
+
+
+def without_run_facts(profile) -> dict:
+    doc = profile_to_dict(profile)
+    doc.pop("created")
+    doc["calibration"].pop("seconds")
+    return doc
+
+
+# --------------------------------------------------------------------------- the profile
+
+
+def test_same_inputs_and_seed_give_the_same_profile(tiny: LoadedModel, result) -> None:
+    again = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, **FAST)
+    assert without_run_facts(again.profile) == without_run_facts(result.profile)
+    # Seed 3 draws samples 2, 4, 5, 6 where seed 1 drew 1, 2, 5, 6.
+    other_seed = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=3, **FAST)
+    assert other_seed.profile.calibration.dataset_hash != result.profile.calibration.dataset_hash
+    assert [r.where for r in other_seed.samples] != [r.where for r in result.samples]
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.3, 0.55, 0.9])
+def test_ratios_meet_the_budget_exactly(tiny: LoadedModel, budget: float) -> None:
+    profile = calibrate(tiny, budget, data=word_prompts(4), samples=3, candidates=()).profile
+    ratios = compressed_ratios(profile)
+    assert ratios.mean() == pytest.approx(budget, abs=1e-12)
+    assert profile.budget == budget
+    assert np.all((ratios > 0) & (ratios <= 1))
+
+
+def test_layers_with_higher_gini_get_smaller_ratios(result) -> None:
+    gini = np.array([layer.gini for layer in result.profile.layers])
+    ratios = compressed_ratios(result.profile)
+    assert len(set(np.round(gini, 3))) == len(gini), "the sharpened layers should differ in concentration"
+    assert list(np.argsort(gini)) == list(np.argsort(-ratios))
+    assert gini[0] > gini[2] and ratios[0] < ratios[2]
+
+
+def test_profile_records_curves_spread_and_calibration(result) -> None:
+    profile = result.profile
+    info = profile.calibration
+    assert info.samples == 4 and info.seed == 1 and info.dataset_hash.startswith("sha256:")
+    assert 0 < info.retention_p <= 1 and info.retention_p == pytest.approx(result.allocation.p)
+    assert info.prompt_tokens.min <= info.prompt_tokens.mean <= info.prompt_tokens.max
+    for layer in profile.layers:
+        curve = np.array(layer.priority_curve)
+        assert curve[0] == 0 and curve[-1] == 1 and np.all(np.diff(curve) >= 0)
+        assert layer.ratio_std is not None and layer.ratio_std >= 0
+    assert result.per_sample_ratios.shape == (4, 3)
+    assert np.allclose(result.per_sample_ratios.mean(axis=1), 0.3)
+    assert np.allclose(result.per_sample_ratios.std(axis=0), [layer.ratio_std for layer in profile.layers])
+
+
+def test_truncation_table_has_every_candidate(tiny: LoadedModel, result) -> None:
+    info = result.profile.calibration
+    assert set(info.truncation_ppl) == set(FAST["candidates"])
+    assert result.profile.method.truncation_distance == result.truncation.best
+    assert info.ppl_compressed == min(info.truncation_ppl.values())
+    assert info.ppl_full > 0 and all(ppl > 0 for ppl in info.truncation_ppl.values())
+    default = calibrate(tiny, 0.3, data=word_prompts(4), samples=3, reference_tokens=4)
+    assert set(default.profile.calibration.truncation_ppl) == set(DEFAULT_CANDIDATES)
+
+
+def test_budget_one_keeps_everything(tiny: LoadedModel) -> None:
+    full = calibrate(tiny, 1.0, data=word_prompts(4), samples=3, **FAST)
+    assert all(layer.ratio == 1.0 for layer in full.profile.layers)
+    # Nothing is ever evicted, so every D scores the full cache's own references exactly.
+    info = full.profile.calibration
+    assert all(ppl == pytest.approx(info.ppl_full, rel=1e-9) for ppl in info.truncation_ppl.values())
+    assert full.profile.method.truncation_distance == 25  # ties go to the default D
+
+
+def test_answers_are_the_references_when_given(tiny: LoadedModel) -> None:
+    records = [dataclasses.replace(r, answer="the cat sat on the mat") for r in word_prompts(3)]
+    run = calibrate(tiny, 0.3, data=records, samples=3, reference_tokens=10, candidates=(0,))
+    # "the cat sat on the mat" is 6 words, scored in full (no EOS is appended), in every sample.
+    assert run.truncation.tokens == 3 * 6
+    shorter = calibrate(tiny, 0.3, data=records, samples=3, reference_tokens=4, candidates=(0,))
+    assert shorter.truncation.tokens == 3 * 4
+
+
+def test_written_profile_loads_and_attaches(tiny: LoadedModel, tmp_path: Path) -> None:
+    out = tmp_path / "nested" / "tiny.yaml"
+    run = calibrate(tiny, 0.3, data=word_prompts(4), samples=3, out=out, **FAST)
+    assert run.path == out
+    profile = read_profile(out)
+    assert profile.ratios == run.profile.ratios and profile.method == run.profile.method
+    assert profile.calibration == run.profile.calibration
+    handle = attach(tiny.model, profile)
+    try:
+        ids = torch.tensor([[1, 5, 9, 12, 7, 8, 30, 31, 32, 33, 34, 35, 36, 37, 38, 40, 41, 42]])
+        sequences = tiny.model.generate(
+            input_ids=ids, past_key_values=handle.new_cache(), max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+        assert sequences.shape == (1, ids.shape[1] + 5)
+    finally:
+        handle.detach()
+    assert [p.name for p in out.parent.iterdir()] == ["tiny.yaml"]  # no temp file left behind
+
+
+def test_sliding_window_layers_are_left_alone() -> None:
+    gemma = loaded(tiny_gemma3(dtype=torch.float32))
+    profile = calibrate(gemma, 0.25, data=word_prompts(4), samples=3, **FAST).profile
+    kinds = profile.model.layer_types
+    for kind, layer in zip(kinds, profile.layers):
+        if kind == "sliding_attention":
+            assert layer.ratio == 1.0 and not layer.compress and not layer.priority_curve
+        else:
+            assert layer.compress and layer.priority_curve
+    assert compressed_ratios(profile).mean() == pytest.approx(0.25, abs=1e-12)
+
+
+def test_long_prompts_are_cut_to_max_prompt_tokens(tiny: LoadedModel) -> None:
+    records = word_prompts(3, low=200, high=260)
+    run = calibrate(tiny, 0.3, data=records, samples=3, max_prompt_tokens=64, candidates=())
+    assert run.profile.calibration.prompt_tokens.max <= 64
+
+
+# --------------------------------------------------------------------------- data files
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_shipped_data_has_enough_long_prompts() -> None:
+    calibration, evaluation = load_jsonl(), load_jsonl(packaged_data("evaluation.jsonl"))
+    assert len(calibration) >= 24 and len(evaluation) >= 20
+    assert not {r.prompt for r in calibration} & {r.prompt for r in evaluation}
+    assert all(len(r.prompt) > 1500 for r in calibration)
+
+
+def test_selection_and_hash_follow_the_seed(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": f"prompt {i}"}) for i in range(10)])
+    records = load_jsonl(path)
+    first, again = select_samples(records, 4, seed=3), select_samples(records, 4, seed=3)
+    assert first == again and len(set(first)) == 4
+    assert dataset_hash(first) == dataset_hash(again) != dataset_hash(select_samples(records, 4, seed=4))
+    # Line endings and surrounding whitespace are normalized before hashing.
+    crlf = write_lines(tmp_path / "e.jsonl", [json.dumps({"prompt": f" prompt {i}\r\n"}) for i in range(10)])
+    assert dataset_hash(select_samples(load_jsonl(crlf), 4, seed=3)) == dataset_hash(first)
+    with pytest.raises(KvtoolError, match="asked for 11 samples but .* has only 10 prompts"):
+        select_samples(records, 11, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([], "no prompts (the file is empty)"),
+        (["", "   "], "no prompts (the file is empty)"),
+        (['{"prompt": "a"}', '{"prompt": "b",}'], "line 2: not valid JSON"),
+        (['{"prompt": "a"}', "", '["x"]'], "line 3: expected a JSON object"),
+        (['{"answer": "a"}'], 'line 1: missing the "prompt" field'),
+        (['{"prompt": "  "}'], 'line 1: "prompt" is empty'),
+        (['{"prompt": 3}'], 'line 1: "prompt" must be a string'),
+        (['{"prompt": "a", "answer": 3}'], 'line 1: "answer" must be a string or null'),
+    ],
+)
+def test_bad_data_files_name_the_problem(tmp_path: Path, lines: list[str], message: str) -> None:
+    path = write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(KvtoolError) as caught:
+        load_jsonl(path)
+    assert message in str(caught.value) and str(path) in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_data_file(tmp_path: Path) -> None:
+    with pytest.raises(KvtoolError, match="no such data file"):
+        load_jsonl(tmp_path / "nope.jsonl")
+
+
+# --------------------------------------------------------------------------- bad inputs leave no file
+
+
+@pytest.fixture()
+def out_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "out"
+    directory.mkdir()
+    return directory
+
+
+def fails_without_file(out_dir: Path, message: str, model, budget: float, **options) -> None:
+    with pytest.raises(KvtoolError) as caught:
+        calibrate(model, budget, out=out_dir / "p.yaml", **options)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("budget", [0.0, -0.2, 1.5, math.nan])
+def test_bad_budget(out_dir: Path, budget: float) -> None:
+    # Checked before the model is even looked at: a bogus spec is never loaded.
+    fails_without_file(out_dir, "budget must be a kept fraction in (0, 1]", "no-such-model", budget)
+
+
+def test_empty_and_malformed_data(out_dir: Path, tmp_path: Path, tiny: LoadedModel) -> None:
+    empty = write_lines(tmp_path / "empty.jsonl", [])
+    fails_without_file(out_dir, "no prompts", tiny, 0.3, data=empty)
+    broken = write_lines(tmp_path / "broken.jsonl", ['{"prompt": "a b c"}', "{oops"])
+    fails_without_file(out_dir, "broken.jsonl line 2: not valid JSON", tiny, 0.3, data=broken, samples=1)
+
+
+def test_prompts_shorter_than_the_protected_tokens(out_dir: Path, tiny: LoadedModel) -> None:
+    records = [*word_prompts(2), Record(prompt="hi", where="short.jsonl line 3")]
+    fails_without_file(out_dir, "sample 3 (short.jsonl line 3) is", tiny, 0.3, data=records, samples=3)
+
+
+def test_unwritable_out_fails_before_the_model_runs(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for target in (blocker / "p.yaml", tmp_path):
+        with pytest.raises(KvtoolError, match="cannot write profile to"):
+            # The model spec is bogus: reaching it would be a different error.
+            calibrate("no-such-model", 0.3, out=target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert check_writable(tmp_path / "new" / "dir" / "p.yaml") == tmp_path / "new" / "dir" / "p.yaml"
+    assert not (tmp_path / "new").exists()
+
+
+def test_default_out_path() -> None:
+    assert default_out_path("smollm2", 0.2) == Path("profiles/smollm2-b0.2.yaml")
+    assert default_out_path("/models/tiny-llama/", 0.5) == Path("profiles/tiny-llama-b0.5.yaml")
+    assert default_out_path("m/SmolLM2.Q4.gguf", 0.25) == Path("profiles/SmolLM2.Q4-b0.25.yaml")
+
+
+# --------------------------------------------------------------------------- re-budgeting a profile
+
+
+def test_load_profile_rederives_ratios_for_another_budget(
+    result, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = save_profile(result.profile, tmp_path / "p.yaml")
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        same = load_profile(path)
+        assert not caplog.records
+        other = load_profile(path, budget=0.6)
+    assert other.budget == 0.6
+    assert compressed_ratios(other).mean() == pytest.approx(0.6, abs=1e-12)
+    assert np.all(compressed_ratios(other) > compressed_ratios(same))
+    # The layer order by concentration survives the new budget.
+    assert list(np.argsort(compressed_ratios(other))) == list(np.argsort(compressed_ratios(same)))
+    assert other.calibration.retention_p > same.calibration.retention_p
+    assert other.calibration.truncation_ppl == {} and other.calibration.ppl_compressed is None
+    assert len(caplog.records) == 1 and "re-derived" in caplog.records[0].getMessage()
+    # At its own budget the stored curves give the stored ratios back (up to their 6 digits).
+    back = load_profile(path, budget=0.6)
+    assert np.allclose(compressed_ratios(back), compressed_ratios(other))
+    from kvtool.calibrate.budget import rebudget
+
+    again, _ = rebudget(same, 0.3)
+    assert np.allclose(compressed_ratios(again), compressed_ratios(same), atol=1e-5)
+
+
+def test_load_profile_without_curves_cannot_be_rebudgeted(tiny: LoadedModel, tmp_path: Path) -> None:
+    path = save_profile(uniform_profile(tiny.model, 0.3), tmp_path / "uniform.yaml")
+    assert load_profile(path, budget=0.3).budget == 0.3
+    with pytest.raises(KvtoolError, match="has no priority curve"):
+        load_profile(path, budget=0.5)
+    with pytest.raises(KvtoolError, match=r"budget must be a kept fraction in \(0, 1\]"):
+        load_profile(save_profile(tiny_profile_with_curves(tiny), tmp_path / "c.yaml"), budget=1.2)
+
+
+def tiny_profile_with_curves(tiny: LoadedModel):
+    base = uniform_profile(tiny.model, 0.3)
+    curve = tuple(float(v) for v in np.linspace(0, 1, 11) ** 0.5)
+    return dataclasses.replace(base, layers=tuple(dataclasses.replace(l, priority_curve=curve) for l in base.layers))
