@@ -45,9 +45,9 @@ def plot_profile(profile: Profile, path: Path) -> Path:
         # Uniform ratio: every layer keeps the top `budget` share of tokens; what it drops is the
         # Lorenz value at 1 - budget, different for every layer.
         left.plot(1.0 - budget, np.interp(1.0 - budget, x, lorenz), "o", color=color, markersize=4)
-        if p is not None:
-            # PrefixKV: every layer drops the same share 1 - p of its importance, at its own ratio.
-            left.plot(1.0 - layer.ratio, 1.0 - p, "x", color=color, markersize=5)
+        # PrefixKV: each layer at its own ratio, which drops the same share 1 - p of importance in
+        # every layer (layers held up by the minimum ratio drop less, so their marks sit lower).
+        left.plot(1.0 - layer.ratio, np.interp(1.0 - layer.ratio, x, lorenz), "x", color=color, markersize=5)
     left.plot([0, 1], [0, 1], "k--", linewidth=1, label="equality")
     left.axvline(1.0 - budget, color="grey", linestyle=":", linewidth=1, label=f"uniform ratio {budget:g} (o)")
     if p is not None:
