@@ -50,14 +50,14 @@ def run(model, ids, new_tokens, make_cache, after_prefill=None) -> dict:
     cache = make_cache()
     bsz, n = ids.shape
     t0 = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     if after_prefill:
         after_prefill(cache)
     t1 = time.perf_counter()
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     for step in range(new_tokens):
         position = torch.full((bsz, 1), n + step)
-        out = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True)
+        out = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     t2 = time.perf_counter()
     return {"prefill_s": t1 - t0, "decode_tok_s": bsz * new_tokens / (t2 - t1), "kv_bytes": kv_bytes(cache)}

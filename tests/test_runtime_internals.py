@@ -199,7 +199,7 @@ def test_truncation_distance_can_be_retuned_on_a_copied_cache(llama):
 def test_fused_prompt_attention_matches_sdpa(padded):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvtool.runtime.importance import attention_with_importance
+    from kvtool.runtime.importance import _chunked_attention, attention_with_importance
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 40, 8, generator=g, dtype=torch.float64)
@@ -215,6 +215,9 @@ def test_fused_prompt_attention_matches_sdpa(padded):
     module.num_key_value_groups, module.is_causal = 2, True
     want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)[0]
     got, importance = attention_with_importance(q, k, v_dirty, mask, 0.35, chunk_elements=700)
+    chunked_out, chunked_importance = _chunked_attention(q, k, v_dirty, mask, 0.35, 700)
+    assert torch.allclose(got, chunked_out, atol=1e-12)  # the CPU flash path and the portable one agree
+    assert torch.allclose(importance, chunked_importance, atol=1e-10)
     real = slice(9, None) if padded else slice(None)
     assert torch.allclose(got[1, real], want[1, real], atol=1e-12)
     assert torch.allclose(got[0], want[0], atol=1e-12)

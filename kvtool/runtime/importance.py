@@ -50,8 +50,61 @@ def attention_with_importance(
     One pass over the scores serves both, so scoring the prompt costs little beyond the attention
     the layer computes anyway. Padded query rows get a zero output.
     """
+    if _flash_applies(query):
+        fused = _flash_attention_with_importance(query, keys, values, mask, scaling)
+        if fused is not None:
+            return fused
     out, importance = _chunked_attention(query, keys, values, mask, scaling, chunk_elements)
     return out, importance
+
+
+def _flash_applies(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+
+
+def _left_padded_causal(mask: torch.Tensor | None, bsz: int, n: int, device) -> torch.Tensor | None:
+    """First real column per sequence if `mask` is exactly causal with left padding, else None."""
+    if mask is None:
+        return torch.zeros(bsz, dtype=torch.long, device=device)
+    if mask.shape != (bsz, 1, n, n):
+        return None
+    real = mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    starts = n - real.sum(dim=1)
+    columns = torch.arange(n, device=device)
+    expected = (columns[None, :] >= starts[:, None])[:, None, None, :] & torch.ones(
+        n, n, dtype=torch.bool, device=device
+    ).tril()
+    return starts if torch.equal(mask, expected) else None
+
+
+def _flash_attention_with_importance(query, keys, values, mask, scaling):
+    """CPU fast path: two flash-attention passes per sequence, nothing n x n in memory.
+
+    Pass 1 is the layer's attention and yields each row's log-sum-exp `lse_r`. The column sum
+    sum_r exp(q_r.k_j * scale - lse_r) is a log-sum-exp again, with keys and queries swapped:
+    augment q_r with -lse_r and k_j with 1, and reverse the sequence so the swapped problem is
+    causal in the usual direction. Pass 2's log-sum-exp is then log(importance). Padding is cut
+    off per sequence (left padding only; anything else takes the chunked path).
+    """
+    bsz, n_heads, n, _ = query.shape
+    starts = _left_padded_causal(mask, bsz, n, query.device)
+    if starts is None:
+        return None
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    groups = n_heads // keys.shape[1]
+    out = query.new_zeros(bsz, n_heads, n, values.shape[-1])
+    importance = torch.zeros(bsz, n, dtype=accumulation_dtype(query.dtype), device=query.device)
+    for b, start in enumerate(starts.tolist()):
+        q = query[b : b + 1, :, start:]
+        k = keys[b : b + 1, :, start:].repeat_interleave(groups, dim=1)
+        v = values[b : b + 1, :, start:].repeat_interleave(groups, dim=1)
+        seq_out, lse = flash(q, k, v, 0.0, True, scale=scaling)
+        out[b : b + 1, :, start:] = seq_out
+        swapped_keys = torch.cat([q * scaling, -lse.unsqueeze(-1).to(q.dtype)], dim=-1).flip(2)
+        swapped_queries = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1).flip(2)
+        _, col_lse = flash(swapped_queries, swapped_keys, swapped_keys, 0.0, True, scale=1.0)
+        importance[b, start:] = col_lse.flip(-1).exp().sum(dim=1)[0] / n_heads
+    return out.transpose(1, 2).contiguous(), importance
 
 
 def _chunked_attention(
