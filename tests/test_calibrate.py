@@ -332,3 +332,45 @@ def tiny_profile_with_curves(tiny: LoadedModel):
     base = uniform_profile(tiny.model, 0.3)
     curve = tuple(float(v) for v in np.linspace(0, 1, 11) ** 0.5)
     return dataclasses.replace(base, layers=tuple(dataclasses.replace(l, priority_curve=curve) for l in base.layers))
+
+
+# --------------------------------------------------------------------------- replaying the prompt
+
+
+def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
+    """The truncation search builds its compressed caches from the full pass's recorded state; they
+    must match what a prompt forward through the calibrated cache stores, and decode the same."""
+    from kvtool.calibrate.batches import left_pad
+    from kvtool.calibrate.truncation import compress_recorded_prompt
+    from tiny_models import profile_with
+
+    for model in (tiny_llama(layers=3, seed=4), tiny_gemma3(seed=4)):
+        gen = torch.Generator().manual_seed(0)
+        sequences = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (40, 29, 35)]
+        batch = left_pad(sequences, (0, 1, 2), pad_id=0)
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+        profile = profile_with(model, [0.3, 0.5, 0.2, 0.4][: model.config.num_hidden_layers], truncation_distance=8)
+        with torch.inference_mode():
+            full_handle = attach(model, uniform_profile(model, 1.0))
+            full = full_handle.new_cache(record_importance=True)
+            model(**inputs, past_key_values=full, use_cache=True)
+            full_handle.detach()
+            handle = attach(model, profile)
+            real = handle.new_cache()
+            model(**inputs, past_key_values=real, use_cache=True)
+            replayed = compress_recorded_prompt(handle.new_cache(), full, batch.attention_mask)
+            for index, layer in real.compressing_layers().items():
+                other = replayed.layers[index]
+                assert torch.equal(layer.valid, other.valid) and torch.equal(layer.order, other.order)
+                assert torch.equal(layer.frozen, other.frozen) and np.array_equal(layer.kept, other.kept)
+                assert torch.allclose(layer.keys, other.keys) and torch.allclose(layer.values, other.values)
+            mask, position = batch.attention_mask, batch.next_positions
+            token = torch.tensor([[5], [6], [7]])
+            for _ in range(12):  # past the first evictions
+                mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+                step = {"input_ids": token, "attention_mask": mask, "position_ids": position, "use_cache": True}
+                a = model(**step, past_key_values=real).logits[:, -1]
+                b = model(**step, past_key_values=replayed).logits[:, -1]
+                assert torch.allclose(a, b, atol=1e-9)
+                token, position = a.argmax(dim=-1, keepdim=True), position + 1
+            handle.detach()

@@ -3,12 +3,14 @@
 Per batch of prompts, one prompt forward through a budget-1.0 kvtool cache (exactly the full cache)
 records every compressing layer's importance and leaves the full cache behind, from which the
 reference continuations and their full-cache NLL are generated. The curves of all samples give
-the ratios (solved on the sample-mean curves, spread from per-sample solutions). A second prompt
-forward through the calibrated cache then compresses each batch once for the truncation search.
+the ratios (solved on the sample-mean curves, spread from per-sample solutions). The truncation
+search then compresses each batch's recorded prompt state with the calibrated plans (no second
+prompt forward) and teacher-forces the references through copies of it, one per candidate D.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import tempfile
@@ -32,6 +34,7 @@ from kvtool.calibrate.truncation import (
     References,
     TruncationResult,
     TruncationScores,
+    compress_recorded_prompt,
     reference_continuations,
     score_candidates,
 )
@@ -49,7 +52,6 @@ from kvtool.profiles import (
 # Stage names reported to `progress(stage, done, total)`.
 STAGE_IMPORTANCE = "importance"
 STAGE_REFERENCES = "references"
-STAGE_COMPRESS = "compressed prompts"
 STAGE_TRUNCATION = "truncation"
 
 Progress = Callable[[str, int, int], None]
@@ -245,7 +247,7 @@ def calibrate(
     answers = [_encode_answers(tokenizer, chosen, batch.rows) for batch in batches]
     measure = _Measurement(loaded.model, tokenizer, method, reference_tokens, report)
 
-    stats, references = measure.full_pass(batches, answers, with_references=bool(candidates))
+    stats, states = measure.full_pass(batches, answers, with_references=bool(candidates))
     # Same floor as budget.solve_ratios, so re-budgeting a profile reproduces this solution.
     allocation, spread = solve_from_samples(stats.curves, budget, min_ratio=floor_for(budget))
     per_sample = np.stack([solve_ratios(sample, budget).ratios for sample in stats.curves])
@@ -254,7 +256,7 @@ def calibrate(
     profile = _build_profile(fingerprint, budget, method, stats, allocation, spread)
     truncation = None
     if candidates:
-        truncation = measure.truncation_pass(profile, batches, references, candidates)
+        truncation = measure.truncation_pass(profile, states, candidates)
         profile = _with_truncation(profile, truncation)
     seconds = time.perf_counter() - started
     profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds)
@@ -282,9 +284,19 @@ def _load(model: Any) -> Any:
     return model
 
 
+@dataclass(frozen=True)
+class _PromptState:
+    """What the truncation search needs from a batch's full pass."""
+
+    batch: Batch
+    first_logits: Any  # [B, V] logits of the prompt's last position
+    full_cache: Any  # deep copy of the budget-1.0 cache right after the prompt forward
+    references: References
+
+
 @dataclass
 class _Measurement:
-    """The two passes over the batches; holds what both need."""
+    """The full pass over the batches and the truncation search; holds what both need."""
 
     model: Any
     tokenizer: Any
@@ -294,7 +306,7 @@ class _Measurement:
 
     def full_pass(
         self, batches: list[Batch], answers: list[list[list[int] | None]], *, with_references: bool
-    ) -> tuple[ImportanceStats, list[References]]:
+    ) -> tuple[ImportanceStats, list[_PromptState]]:
         import torch
 
         from kvtool.runtime import attach, uniform_profile
@@ -302,7 +314,7 @@ class _Measurement:
         samples = sum(len(b.rows) for b in batches)
         importance = _Counter(STAGE_IMPORTANCE, samples, self.progress).start()
         steps = _Counter(STAGE_REFERENCES, len(batches) * (self.reference_tokens - 1), self.progress)
-        parts, references = [], []
+        parts, states = [], []
         eos = _eos_ids(self.model, self.tokenizer)
         handle = attach(self.model, uniform_profile(self.model, 1.0, self.method))
         try:
@@ -312,49 +324,46 @@ class _Measurement:
                     first_logits = _prompt_forward(self.model, batch, cache)
                     parts.append((batch.rows, self._stats(cache)))
                     importance.step(len(batch.rows))
-                    if with_references:
-                        steps.start()
-                        references.append(
-                            reference_continuations(
-                                self.model, cache, first_logits, batch,
-                                length=self.reference_tokens, eos_ids=eos,
-                                pad_id=self.tokenizer.pad_token_id, answers=batch_answers, on_step=steps.step,
-                            )
-                        )
-                    del cache
+                    if not with_references:
+                        continue
+                    # Kept before the references grow the cache: the truncation search compresses
+                    # this prompt state instead of running the prompt forward again.
+                    snapshot = copy.deepcopy(cache)
+                    steps.start()
+                    references = reference_continuations(
+                        self.model, cache, first_logits, batch,
+                        length=self.reference_tokens, eos_ids=eos,
+                        pad_id=self.tokenizer.pad_token_id, answers=batch_answers, on_step=steps.step,
+                    )
+                    states.append(_PromptState(batch, first_logits, snapshot, references))
         finally:
             handle.detach()
         if with_references:
             steps.finish()
-        return combine(parts, samples), references
+        return combine(parts, samples), states
 
     def _stats(self, cache: Any) -> ImportanceStats:
         return batch_stats(
             _recorded(cache), sink_tokens=self.method.sink_tokens, recent_window=self.method.recent_window
         )
 
-    def truncation_pass(
-        self, profile: Profile, batches: list[Batch], references: list[References], candidates: tuple[int, ...]
-    ) -> TruncationResult:
+    def truncation_pass(self, profile: Profile, states: list[_PromptState], candidates: tuple[int, ...]) -> TruncationResult:
         import torch
 
         from kvtool.runtime import attach
 
         scores = TruncationScores(candidates)
-        compress = _Counter(STAGE_COMPRESS, sum(len(b.rows) for b in batches), self.progress).start()
-        total = sum(max(r.steps - 1, 0) for r in references) * len(candidates)
-        steps = _Counter(STAGE_TRUNCATION, total, self.progress)
+        total = sum(max(state.references.steps - 1, 0) for state in states) * len(candidates)
+        steps = _Counter(STAGE_TRUNCATION, total, self.progress).start()
         handle = attach(self.model, profile)
         try:
             with torch.inference_mode():
-                for batch, refs in zip(batches, references):
-                    cache = handle.new_cache()
-                    first_logits = _prompt_forward(self.model, batch, cache)
-                    compress.step(len(batch.rows))
-                    scores.full.add(refs.nll_full, refs.scored)
-                    steps.start()
-                    score_candidates(self.model, cache, first_logits, batch, refs, scores, on_step=steps.step)
-                    del cache
+                for state in states:
+                    cache = compress_recorded_prompt(handle.new_cache(), state.full_cache, state.batch.attention_mask)
+                    scores.full.add(state.references.nll_full, state.references.scored)
+                    score_candidates(
+                        self.model, cache, state.first_logits, state.batch, state.references, scores, on_step=steps.step
+                    )
         finally:
             handle.detach()
         steps.finish()

@@ -5,9 +5,10 @@ one), generated token by token on the same full cache whose prompt forward measu
 importance, so the full-cache NLL comes for free from those steps. A reference ends at its first
 EOS (scored, as the model must predict it); later steps are padding and not scored.
 
-The compressed prompt is computed once per batch; each candidate D runs on a deep copy of that
-cache, so every candidate sees the very same compressed prefix and only the generation-time
-eviction differs. PPL = exp(mean NLL), pooled over all scored tokens of all samples.
+The compressed prompt is built once per batch, from the keys, values and importance the full pass
+recorded (no second prompt forward); each candidate D runs on a deep copy of that cache, so every
+candidate sees the very same compressed prefix and only the generation-time eviction differs.
+PPL = exp(mean NLL), pooled over all scored tokens of all samples.
 """
 
 from __future__ import annotations
@@ -181,6 +182,37 @@ def teacher_forced_nll(
         if on_step:
             on_step()
     return nll
+
+
+def prompt_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The boolean [B, 1, n, n] causal padding mask a prompt forward hands its attention layers."""
+    valid = attention_mask.bool()
+    n = valid.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
+    return causal[None, None] & valid[:, None, None, :] & valid[:, None, :, None]
+
+
+def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tensor) -> Any:
+    """Fill `target` (a fresh cache with the calibrated plans) with the prompt that `full` holds.
+
+    `full` is a budget-1.0 kvtool cache straight after its prompt forward, importance recorded:
+    its keys and values are exactly what the same prompt forward would store in `target`, and the
+    importance is what `target`'s layers would compute, so each compressing layer is handed both
+    and compresses as in that forward. This saves calibration a second forward over every
+    prompt; a test checks the result against a real compressed prompt forward. Layers kvtool
+    leaves alone (sliding windows) are copied as they are.
+    """
+    mask = prompt_mask(attention_mask)
+    compressing = target.compressing_layers()
+    for index, source in enumerate(full.layers):
+        layer = compressing.get(index)
+        if layer is None:
+            target.layers[index] = copy.deepcopy(source)
+            continue
+        # Copies: a budget-1.0 target layer keeps the tensors it is given and writes into them.
+        layer.update(source.keys.clone(), source.values.clone())
+        layer.compress_prompt(mask, source.prompt_importance)
+    return target
 
 
 def score_candidates(
