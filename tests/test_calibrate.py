@@ -374,3 +374,23 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
                 assert torch.allclose(a, b, atol=1e-9)
                 token, position = a.argmax(dim=-1, keepdim=True), position + 1
             handle.detach()
+
+
+# --------------------------------------------------------------------------- shipped profiles
+
+
+@pytest.mark.parametrize("budget", [0.2, 0.5])
+def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float) -> None:
+    from kvtool.profiles.builtin import builtin_profile
+
+    path = builtin_profile("smollm2", budget)
+    assert path is not None, "run scripts/build_builtin_profiles.sh"
+    profile = read_profile(path)
+    info = profile.calibration
+    assert profile.budget == budget and profile.model.name == "smollm2"
+    assert compressed_ratios(profile).mean() == pytest.approx(budget, abs=1e-9)
+    assert info.samples == 10 and info.seed == 0 and set(info.truncation_ppl) == set(DEFAULT_CANDIDATES)
+    assert profile.method.truncation_distance == min(info.truncation_ppl, key=info.truncation_ppl.get)
+    assert info.dataset_hash == dataset_hash(select_samples(load_jsonl(), 10, seed=0))
+    assert all(len(layer.priority_curve) > 2 for layer in profile.layers)
+    assert compressed_ratios(load_profile(path, budget=0.35)).mean() == pytest.approx(0.35, abs=1e-12)

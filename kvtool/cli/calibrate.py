@@ -72,7 +72,7 @@ def calibrate_command(
     samples: Annotated[int, typer.Option("--samples", help="Prompts drawn from the data.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draw.")] = 0,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Profile to write [default: profiles/<model>-b<budget>.yaml].")
+        Path | None, typer.Option("--out", help="Profile to write (default: profiles/MODEL-bBUDGET.yaml, e.g. profiles/smollm2-b0.2.yaml).")
     ] = None,
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle to this many tokens.")
