@@ -111,7 +111,9 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
     facts.add_column()
     tokens = info.prompt_tokens if info else None
     facts.add_row("Budget", f"keeps {profile.budget:.1%} of KV entries, mean kept ratio {_mean_ratio(profile):.4f}")
-    facts.add_row("Retention p", f"{result.allocation.p:.4f} (every compressed layer keeps this share of its importance)")
+    facts.add_row(
+        "Retention p", f"{result.allocation.p:.4f} (each compressed layer keeps at least this share of its importance)"
+    )
     if tokens is not None:
         facts.add_row(
             "Samples",
