@@ -39,6 +39,7 @@ from kvtool.calibrate.truncation import (
     score_candidates,
 )
 from kvtool.errors import KvtoolError
+from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import (
     CalibrationInfo,
     LayerProfile,
@@ -108,15 +109,6 @@ def check_writable(path: str | Path) -> Path:
     except OSError as exc:
         raise KvtoolError(f"cannot write profile to {dest}: {exc.strerror or exc}") from None
     return dest
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    configured = model.generation_config.eos_token_id
-    if configured is None:
-        configured = tokenizer.eos_token_id
-    if configured is None:
-        return set()
-    return {int(t) for t in configured} if isinstance(configured, (list, tuple)) else {int(configured)}
 
 
 def _validate_options(samples: int, max_prompt_tokens: int, method: MethodSettings, candidates: Sequence[int]) -> None:
@@ -315,7 +307,7 @@ class _Measurement:
         importance = _Counter(STAGE_IMPORTANCE, samples, self.progress).start()
         steps = _Counter(STAGE_REFERENCES, len(batches) * (self.reference_tokens - 1), self.progress)
         parts, states = [], []
-        eos = _eos_ids(self.model, self.tokenizer)
+        eos = eos_token_ids(self.model, self.tokenizer)
         handle = attach(self.model, uniform_profile(self.model, 1.0, self.method))
         try:
             with torch.inference_mode():

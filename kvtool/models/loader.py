@@ -108,3 +108,13 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
     model.eval()
     stop_at_end_of_turn(model, tokenizer)
     return LoadedModel(model=model, tokenizer=prepare_tokenizer(tokenizer), name=source.name, source=description)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end a generation: the model's generation config, else the tokenizer's EOS."""
+    configured = model.generation_config.eos_token_id
+    if configured is None:
+        configured = tokenizer.eos_token_id
+    if configured is None:
+        return set()
+    return {int(t) for t in configured} if isinstance(configured, (list, tuple)) else {int(configured)}

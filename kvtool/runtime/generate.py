@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 # kvtool.models first: importing it sets the offline/quiet HF env defaults transformers reads once.
+from kvtool.models.loader import eos_token_ids
 from kvtool.models.prompts import format_prompts
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList  # noqa: I001
 
@@ -57,15 +58,6 @@ class _StepClock(StoppingCriteria):
             torch.cuda.synchronize(input_ids.device)  # kernels are async; time finished work only
         self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    configured = model.generation_config.eos_token_id
-    if configured is None:
-        configured = tokenizer.eos_token_id
-    if configured is None:
-        return set()
-    return set(configured) if isinstance(configured, (list, tuple)) else {int(configured)}
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -117,7 +109,7 @@ def generate(
         finished = time.perf_counter()
 
     prompt_width = inputs["input_ids"].shape[1]
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     generated = [_until_eos(row.tolist(), eos) for row in sequences[:, prompt_width:]]
     outputs = [
         tokenizer.decode([t for t in row if t not in eos], skip_special_tokens=True) for row in generated
