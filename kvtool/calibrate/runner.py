@@ -41,6 +41,7 @@ from kvtool.calibrate.truncation import (
 from kvtool.errors import KvtoolError
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import (
+    CURVE_IMPORTANCE,
     CalibrationInfo,
     LayerProfile,
     MethodSettings,
@@ -210,6 +211,7 @@ def calibrate(
     candidates: Sequence[int] = DEFAULT_CANDIDATES,
     reference_tokens: int = REFERENCE_TOKENS,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    curve_importance: str = "mean",
     progress: Progress | None = None,
 ) -> CalibrationResult:
     """Calibrate `model` (a spec such as "smollm2", or a LoadedModel) for `budget` (kept fraction).
@@ -218,13 +220,16 @@ def calibrate(
     are drawn with `seed`. With `out` the profile is written atomically there (checked writable
     before any model work). An empty `candidates` skips the truncation search (the profile keeps
     the method's D). Same inputs and seed give the same profile, apart from `created` and the
-    recorded `calibration.seconds`.
+    recorded `calibration.seconds`. `curve_importance` picks the per-token score the Lorenz
+    curves are built from ("mean": column sum per row that sees the token, the default; "sum").
     """
     started = time.perf_counter()
     budget = check_budget(budget)
     method = method or MethodSettings()
     candidates = tuple(candidates)
     _validate_options(samples, max_prompt_tokens, method, candidates)
+    if curve_importance not in CURVE_IMPORTANCE:
+        raise KvtoolError(f"curve importance must be one of {', '.join(CURVE_IMPORTANCE)}, got {curve_importance!r}")
     if reference_tokens < 1 or batch_size < 1:
         raise KvtoolError("reference tokens and batch size must be at least 1")
     dest = check_writable(out) if out is not None else None
@@ -237,7 +242,7 @@ def calibrate(
     encoded = _encode_samples(tokenizer, chosen, max_prompt_tokens, method)
     batches = make_batches(encoded, batch_size, tokenizer.pad_token_id)
     answers = [_encode_answers(tokenizer, chosen, batch.rows) for batch in batches]
-    measure = _Measurement(loaded.model, tokenizer, method, reference_tokens, report)
+    measure = _Measurement(loaded.model, tokenizer, method, reference_tokens, report, curve_importance == "mean")
 
     stats, states = measure.full_pass(batches, answers, with_references=bool(candidates))
     # Same floor as budget.solve_ratios, so re-budgeting a profile reproduces this solution.
@@ -251,7 +256,7 @@ def calibrate(
         truncation = measure.truncation_pass(profile, states, candidates)
         profile = _with_truncation(profile, truncation)
     seconds = time.perf_counter() - started
-    profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds)
+    profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds, curve_importance)
     if dest is not None:
         save_profile(profile, dest)
     return CalibrationResult(
@@ -295,6 +300,7 @@ class _Measurement:
     method: MethodSettings
     reference_tokens: int
     progress: Progress
+    per_row_mean: bool = True
 
     def full_pass(
         self, batches: list[Batch], answers: list[list[list[int] | None]], *, with_references: bool
@@ -336,7 +342,10 @@ class _Measurement:
 
     def _stats(self, cache: Any) -> ImportanceStats:
         return batch_stats(
-            _recorded(cache), sink_tokens=self.method.sink_tokens, recent_window=self.method.recent_window
+            _recorded(cache),
+            sink_tokens=self.method.sink_tokens,
+            recent_window=self.method.recent_window,
+            per_row_mean=self.per_row_mean,
         )
 
     def truncation_pass(self, profile: Profile, states: list[_PromptState], candidates: tuple[int, ...]) -> TruncationResult:
@@ -416,6 +425,7 @@ def _with_calibration(
     truncation: TruncationResult | None,
     seed: int,
     seconds: float,
+    curve_importance: str,
 ) -> Profile:
     import dataclasses
 
@@ -430,5 +440,6 @@ def _with_calibration(
         ppl_compressed=truncation.ppl_compressed if truncation else None,
         seed=seed,
         seconds=round(seconds, 1),
+        curve_importance=curve_importance,
     )
     return dataclasses.replace(profile, calibration=info)

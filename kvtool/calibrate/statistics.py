@@ -41,9 +41,18 @@ class ImportanceStats:
         return self.gini.mean(axis=0)
 
 
-def compressible(importance: np.ndarray, valid: np.ndarray, sink_tokens: int, recent_window: int) -> np.ndarray:
-    """The importance of one row's real tokens, minus the protected sinks and recent window."""
+def compressible(
+    importance: np.ndarray, valid: np.ndarray, sink_tokens: int, recent_window: int, per_row_mean: bool = True
+) -> np.ndarray:
+    """The importance of one row's real tokens, minus the protected sinks and recent window.
+
+    With `per_row_mean` each column sum is divided by the rows that can see the token (n - i):
+    a causal column sum grows with the number of later rows, so without it every layer looks
+    concentrated on its early tokens and the Gini measures position more than attention.
+    """
     real = importance[valid]
+    if per_row_mean:
+        real = real / (len(real) - np.arange(len(real)))
     end = len(real) - recent_window
     if end <= sink_tokens:
         raise ValueError(
@@ -59,6 +68,7 @@ def batch_stats(
     sink_tokens: int,
     recent_window: int,
     points: int = CURVE_POINTS,
+    per_row_mean: bool = True,
 ) -> ImportanceStats:
     """Curves and Gini for every row of one batch and every compressing layer."""
     order = tuple(sorted(layers))
@@ -71,7 +81,7 @@ def batch_stats(
     for j, index in enumerate(order):
         layer = layers[index]
         for b in range(rows):
-            scores = compressible(layer.importance[b], layer.valid[b], sink_tokens, recent_window)
+            scores = compressible(layer.importance[b], layer.valid[b], sink_tokens, recent_window, per_row_mean)
             curves[b, j] = priority_curve(scores, points)
             gini[b, j] = gini_from_importance(scores)
     tokens = first.valid.sum(axis=1).astype(np.int64)

@@ -77,6 +77,14 @@ def calibrate_command(
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle to this many tokens.")
     ] = 1024,
+    curve_importance: Annotated[
+        str,
+        typer.Option(
+            "--curve-importance",
+            help="Score behind the Lorenz curves: 'mean' = column sum per row that sees the token "
+            "(no causal bias toward early tokens), 'sum' = plain column sum.",
+        ),
+    ] = "mean",
 ) -> None:
     """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
     passive_openmp()
@@ -95,6 +103,7 @@ def calibrate_command(
             seed=seed,
             max_prompt_tokens=max_prompt_tokens,
             out=dest,
+            curve_importance=curve_importance,
             progress=bars,
         )
     render_summary(Console(), result)

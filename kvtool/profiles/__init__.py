@@ -3,6 +3,7 @@
 from kvtool.profiles.fingerprint import fingerprint_of
 from kvtool.profiles.io import profile_to_dict, read_profile, save_profile, validate_profile
 from kvtool.profiles.schema import (
+    CURVE_IMPORTANCE,
     MERGE_MODES,
     SCHEMA_VERSION,
     CalibrationInfo,
@@ -14,6 +15,7 @@ from kvtool.profiles.schema import (
 )
 
 __all__ = [
+    "CURVE_IMPORTANCE",
     "MERGE_MODES",
     "SCHEMA_VERSION",
     "CalibrationInfo",

@@ -24,6 +24,7 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles.schema import (
     MERGE_MODES,
     SCHEMA_VERSION,
+    CURVE_IMPORTANCE,
     CalibrationInfo,
     LayerProfile,
     MethodSettings,
@@ -153,6 +154,7 @@ def _calibration_to_dict(info: CalibrationInfo | None) -> dict[str, Any] | None:
         "ppl_compressed": info.ppl_compressed,
         "seed": info.seed,
         "seconds": info.seconds,
+        "curve_importance": info.curve_importance,
     }
 
 
@@ -222,6 +224,7 @@ def _calibration_from_dict(c: Mapping[str, Any] | None) -> CalibrationInfo | Non
         ppl_compressed=_opt_float(c.get("ppl_compressed")),
         seed=c.get("seed"),
         seconds=_opt_float(c.get("seconds")),
+        curve_importance=c.get("curve_importance"),
     )
 
 
@@ -249,7 +252,7 @@ _METHOD_KEYS = ("merge", "sink_tokens", "recent_window", "truncation_distance")
 _METHOD_COUNTS = ("sink_tokens", "recent_window", "truncation_distance")
 _CALIBRATION_REQUIRED = ("dataset_hash", "samples", "prompt_tokens")
 _CALIBRATION_OPTIONAL = (
-    "retention_p", "truncation_ppl", "ppl_full", "ppl_compressed", "seed", "seconds",
+    "retention_p", "truncation_ppl", "ppl_full", "ppl_compressed", "seed", "seconds", "curve_importance",
 )
 _LAYER_OPTIONAL = ("compress", "gini", "ratio_std", "priority_curve")
 
@@ -422,6 +425,11 @@ def _check_calibration(calibration: _Node) -> None:
         calibration.child("seed").integer()
     if value.get("truncation_ppl") is not None:
         _check_truncation_ppl(calibration.child("truncation_ppl"))
+    if value.get("curve_importance") is not None and value["curve_importance"] not in CURVE_IMPORTANCE:
+        raise calibration.child("curve_importance").fail(
+            f"{calibration.path}.curve_importance must be one of {', '.join(CURVE_IMPORTANCE)}, "
+            f"got {value['curve_importance']!r}"
+        )
 
 
 def _check_truncation_ppl(table: _Node) -> None:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 SCHEMA_VERSION = 1
 
 MERGE_MODES = ("position", "none")
+# "mean": column sum / rows that can see the token (removes the causal bias toward early tokens);
+# "sum": the plain column sum the runtime ranks tokens by.
+CURVE_IMPORTANCE = ("mean", "sum")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class CalibrationInfo:
     ppl_compressed: float | None = None
     seed: int | None = None
     seconds: float | None = None
+    # Which per-token score the Lorenz curves were built from (CURVE_IMPORTANCE); None in old files.
+    curve_importance: str | None = None
 
 
 @dataclass(frozen=True)
