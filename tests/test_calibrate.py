@@ -394,3 +394,44 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     assert info.dataset_hash == dataset_hash(select_samples(load_jsonl(), 10, seed=0))
     assert all(len(layer.priority_curve) > 2 for layer in profile.layers)
     assert compressed_ratios(load_profile(path, budget=0.35)).mean() == pytest.approx(0.35, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- curve importance
+
+
+def test_per_row_mean_removes_the_causal_bias() -> None:
+    from kvtool.calibrate.statistics import compressible
+
+    n = 20
+    # Every row spreads its attention evenly over the tokens it sees: column j collects sum_{r>=j} 1/(r+1).
+    sums = np.array([sum(1.0 / (r + 1) for r in range(j, n)) for j in range(n)])
+    valid = np.ones(n, dtype=bool)
+    mean = compressible(sums, valid, 0, 0, per_row_mean=True)
+    plain = compressible(sums, valid, 0, 0, per_row_mean=False)
+    assert np.allclose(plain, sums)
+    assert np.allclose(mean, sums / (n - np.arange(n)))
+    # the plain sums look concentrated on early tokens; the means are much flatter
+    from kvtool.calibrate.lorenz import gini_from_importance
+
+    assert gini_from_importance(mean) < gini_from_importance(plain)
+
+
+def test_curve_importance_is_recorded_and_changes_the_curves(tiny: LoadedModel, result) -> None:
+    plain = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, curve_importance="sum", **FAST)
+    assert result.profile.calibration.curve_importance == "mean"
+    assert plain.profile.calibration.curve_importance == "sum"
+    assert not np.allclose(result.stats.curves, plain.stats.curves)
+    assert compressed_ratios(plain.profile).mean() == pytest.approx(0.3, abs=1e-9)
+
+
+def test_unknown_curve_importance_is_refused(tiny: LoadedModel) -> None:
+    with pytest.raises(KvtoolError, match="curve importance must be one of mean, sum"):
+        calibrate(tiny, 0.3, data=word_prompts(6), samples=4, curve_importance="median", **FAST)
+
+
+def test_profile_with_unknown_curve_importance_is_refused(result, tmp_path: Path) -> None:
+    path = save_profile(result.profile, tmp_path / "p.yaml")
+    text = path.read_text().replace("curve_importance: mean", "curve_importance: median")
+    path.write_text(text)
+    with pytest.raises(KvtoolError, match=r"calibration.curve_importance must be one of mean, sum"):
+        read_profile(path)
