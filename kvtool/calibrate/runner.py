@@ -212,6 +212,7 @@ def calibrate(
     reference_tokens: int = REFERENCE_TOKENS,
     batch_size: int = DEFAULT_BATCH_SIZE,
     curve_importance: str = "mean",
+    uniform_ratios: bool = False,
     progress: Progress | None = None,
 ) -> CalibrationResult:
     """Calibrate `model` (a spec such as "smollm2", or a LoadedModel) for `budget` (kept fraction).
@@ -222,6 +223,7 @@ def calibrate(
     the method's D). Same inputs and seed give the same profile, apart from `created` and the
     recorded `calibration.seconds`. `curve_importance` picks the per-token score the Lorenz
     curves are built from ("mean": column sum per row that sees the token, the default; "sum").
+    `uniform_ratios` keeps the budget as every layer's ratio (the Elastic Cache baseline).
     """
     started = time.perf_counter()
     budget = check_budget(budget)
@@ -247,6 +249,10 @@ def calibrate(
     stats, states = measure.full_pass(batches, answers, with_references=bool(candidates))
     # Same floor as budget.solve_ratios, so re-budgeting a profile reproduces this solution.
     allocation, spread = solve_from_samples(stats.curves, budget, min_ratio=floor_for(budget))
+    if uniform_ratios:
+        # Elastic Cache's setting: the same ratio everywhere; only D is tuned. A baseline for PrefixKV.
+        allocation = Allocation(p=allocation.p, ratios=np.full(len(allocation.ratios), budget), iterations=0)
+        spread = np.zeros_like(spread)
     per_sample = np.stack([solve_ratios(sample, budget).ratios for sample in stats.curves])
 
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
