@@ -62,8 +62,11 @@ def test_importance_function_chunking_is_exact():
     mask = torch.ones(2, 1, 50, 50, dtype=torch.bool).tril()
     mask[1, :, :, :7] = False  # left padding in sequence 1
     mask[1, :, :7, :] = False
-    whole = attention_importance(q, k, mask, 0.3, chunk_elements=10**9)
-    chunked = attention_importance(q, k, mask, 0.3, chunk_elements=300)
+    from kvtool.runtime.importance import _chunked_attention
+
+    whole = _chunked_attention(q, k, None, mask, 0.3, 10**9)[1]
+    chunked = _chunked_attention(q, k, None, mask, 0.3, 300)[1]
+    assert torch.allclose(attention_importance(q, k, mask, 0.3), whole, atol=1e-10)  # CPU flash path
     assert torch.allclose(whole, chunked, atol=1e-12)
     assert torch.all(whole[1, :7] == 0)
     # Every real query row distributes probability 1, so the column sums total the real row count.

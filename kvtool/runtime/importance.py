@@ -32,6 +32,11 @@ def attention_importance(
     Returns [B, n]: I[b, j] = (1/Hq) * sum_heads sum_rows A[row, j]. Padded query rows (all-False
     mask rows) and padded key columns contribute nothing.
     """
+    if _flash_applies(query):
+        # Values are not needed; the keys stand in for them so the flash kernel can run.
+        fused = _flash_attention_with_importance(query, keys, keys, mask, scaling)
+        if fused is not None:
+            return fused[1]
     _, importance = _chunked_attention(query, keys, None, mask, scaling, chunk_elements)
     return importance
 
