@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -29,16 +28,7 @@ class KvtoolCache(DynamicCache):
     def compressing_layers(self) -> dict[int, CompressingLayer]:
         return {i: layer for i, layer in enumerate(self.layers) if isinstance(layer, CompressingLayer)}
 
-    def kept_entries(self) -> dict[int, np.ndarray]:
-        """Valid entries per compressing layer and sequence."""
-        return {i: layer.kept_entries() for i, layer in self.compressing_layers().items()}
-
     def set_truncation_distance(self, distance: int) -> None:
         """Use another D for the generation that follows (only between the prompt and the first new token)."""
         for layer in self.compressing_layers().values():
             layer.set_truncation_distance(distance)
-
-    def tokens_seen(self) -> np.ndarray:
-        """Real tokens seen per sequence (T)."""
-        layers = list(self.compressing_layers().values())
-        return layers[0].tokens.copy() if layers else np.zeros(0, dtype=np.int64)

@@ -148,10 +148,6 @@ class CompressingLayer(DynamicLayer):
         bsz, heads, _, dim = self.keys.shape
         return 2 * bsz * heads * self.seen * dim * self.keys.element_size()
 
-    def kept_entries(self) -> np.ndarray:
-        """Valid entries per sequence (host copy)."""
-        return self.kept.copy()
-
     # ----- prompt phase (called by the attention function after the layer's sdpa) -------------
 
     @property
