@@ -66,7 +66,7 @@ def test_importance_function_chunking_is_exact():
 
     whole = _chunked_attention(q, k, None, mask, 0.3, 10**9)[1]
     chunked = _chunked_attention(q, k, None, mask, 0.3, 300)[1]
-    assert torch.allclose(attention_importance(q, k, mask, 0.3), whole, atol=1e-10)  # CPU flash path
+    assert torch.allclose(attention_importance(q, k, mask, 0.3), whole, atol=1e-10)  # CPU blocked path
     assert torch.allclose(whole, chunked, atol=1e-12)
     assert torch.all(whole[1, :7] == 0)
     # Every real query row distributes probability 1, so the column sums total the real row count.
@@ -219,7 +219,7 @@ def test_fused_prompt_attention_matches_sdpa(padded):
     want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)[0]
     got, importance = attention_with_importance(q, k, v_dirty, mask, 0.35, chunk_elements=700)
     chunked_out, chunked_importance = _chunked_attention(q, k, v_dirty, mask, 0.35, 700)
-    assert torch.allclose(got, chunked_out, atol=1e-12)  # the CPU flash path and the portable one agree
+    assert torch.allclose(got, chunked_out, atol=1e-12)  # the CPU blocked path and the portable one agree
     assert torch.allclose(importance, chunked_importance, atol=1e-10)
     real = slice(9, None) if padded else slice(None)
     assert torch.allclose(got[1, real], want[1, real], atol=1e-12)
