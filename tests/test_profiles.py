@@ -274,10 +274,12 @@ def test_validate_profile_accepts_good_profile(profile: Profile) -> None:
         (lambda p: {"layers": (LayerProfile(ratio=0.0),) + p.layers[1:]}, ("layers[0].ratio", "(0, 1]")),
         (lambda p: {"method": MethodSettings(merge="mean")}, ("method.merge", "'mean'")),
         (lambda p: {"method": MethodSettings(sink_tokens=-1)}, ("method.sink_tokens", ">= 0")),
+        (lambda p: {"method": MethodSettings(selection="random")}, ("method.selection", "'random'")),
+        (lambda p: {"method": MethodSettings(eviction="lru")}, ("method.eviction", "'lru'")),
         (lambda p: {"schema_version": 7}, ("schema_version 7", "supported")),
         (lambda p: {"budget": float("nan")}, ("budget.kept_fraction", "finite")),
     ],
-    ids=["layer-count", "ratio-zero", "merge", "negative-sink", "version", "nan-budget"],
+    ids=["layer-count", "ratio-zero", "merge", "negative-sink", "selection", "eviction", "version", "nan-budget"],
 )
 def test_validate_profile_rejects(profile: Profile, change: Callable[[Profile], dict], fragments: tuple[str, ...]) -> None:
     bad = Profile(**{**vars(profile), **change(profile)})

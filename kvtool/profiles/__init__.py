@@ -4,7 +4,9 @@ from kvtool.profiles.fingerprint import fingerprint_of
 from kvtool.profiles.io import profile_to_dict, read_profile, save_profile, validate_profile
 from kvtool.profiles.schema import (
     CURVE_IMPORTANCE,
+    EVICTION_RULES,
     MERGE_MODES,
+    SELECTION_RULES,
     SCHEMA_VERSION,
     CalibrationInfo,
     LayerProfile,
@@ -16,7 +18,9 @@ from kvtool.profiles.schema import (
 
 __all__ = [
     "CURVE_IMPORTANCE",
+    "EVICTION_RULES",
     "MERGE_MODES",
+    "SELECTION_RULES",
     "SCHEMA_VERSION",
     "CalibrationInfo",
     "LayerProfile",

@@ -22,7 +22,9 @@ import yaml
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles.schema import (
+    EVICTION_RULES,
     MERGE_MODES,
+    SELECTION_RULES,
     SCHEMA_VERSION,
     CURVE_IMPORTANCE,
     CalibrationInfo,
@@ -99,6 +101,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             "sink_tokens": profile.method.sink_tokens,
             "recent_window": profile.method.recent_window,
             "truncation_distance": profile.method.truncation_distance,
+            "selection": profile.method.selection,
+            "eviction": profile.method.eviction,
         },
         "calibration": _calibration_to_dict(profile.calibration),
         "layers": [_layer_to_dict(i, layer) for i, layer in enumerate(profile.layers)],
@@ -248,7 +252,8 @@ def _opt_float(value: Any) -> float | None:
 _TOP_REQUIRED = ("schema_version", "budget", "model", "method", "layers")
 _TOP_OPTIONAL = ("kvtool_version", "created", "calibration")
 _MODEL_INTS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
-_METHOD_KEYS = ("merge", "sink_tokens", "recent_window", "truncation_distance")
+_METHOD_KEYS = ("merge", "sink_tokens", "recent_window", "truncation_distance", "selection", "eviction")
+_METHOD_NAMES = {"merge": MERGE_MODES, "selection": SELECTION_RULES, "eviction": EVICTION_RULES}
 _METHOD_COUNTS = ("sink_tokens", "recent_window", "truncation_distance")
 _CALIBRATION_REQUIRED = ("dataset_hash", "samples", "prompt_tokens")
 _CALIBRATION_OPTIONAL = (
@@ -393,11 +398,11 @@ def _check_model(model: _Node) -> int:
 
 def _check_method(method: _Node) -> None:
     method.mapping((), _METHOD_KEYS)
-    if "merge" in method.value:
-        merge = method.child("merge").string()
-        if merge not in MERGE_MODES:
-            modes = ", ".join(MERGE_MODES)
-            raise method.fail(f"method.merge must be one of {modes}, got {merge!r}")
+    for key, known in _METHOD_NAMES.items():
+        if key in method.value:
+            name = method.child(key).string()
+            if name not in known:
+                raise method.fail(f"method.{key} must be one of {', '.join(known)}, got {name!r}")
     for key in _METHOD_COUNTS:
         if key in method.value:
             method.child(key).integer(minimum=0)

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 SCHEMA_VERSION = 1
 
 MERGE_MODES = ("position", "none")
+# Which prompt tokens a layer keeps, and which entry goes during generation (kvtool.runtime.selection
+# and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
+SELECTION_RULES = ("importance", "recent", "heavy-hitter")
+EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter")
 # "mean": column sum / rows that can see the token (removes the causal bias toward early tokens);
 # "sum": the plain column sum the runtime ranks tokens by.
 CURVE_IMPORTANCE = ("mean", "sum")
@@ -49,6 +53,8 @@ class MethodSettings:
     sink_tokens: int = 4  # first prompt tokens always kept (inside the budget)
     recent_window: int = 8  # last prompt tokens always kept (inside the budget)
     truncation_distance: int = 25  # D: generation evicts at prefix_l - D
+    selection: str = "importance"  # one of SELECTION_RULES
+    eviction: str = "fixed-point"  # one of EVICTION_RULES
 
 
 @dataclass(frozen=True)

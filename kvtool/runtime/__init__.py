@@ -8,5 +8,6 @@
 
 from kvtool.runtime.attach import KvtoolHandle, attach, load_profile, uniform_profile
 from kvtool.runtime.cache import KvtoolCache
+from kvtool.runtime.methods import METHODS, method_profile
 
-__all__ = ["KvtoolCache", "KvtoolHandle", "attach", "load_profile", "uniform_profile"]
+__all__ = ["METHODS", "KvtoolCache", "KvtoolHandle", "attach", "load_profile", "method_profile", "uniform_profile"]

@@ -20,7 +20,9 @@ from kvtool.profiles import (
 from kvtool.runtime import attention
 from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.eviction import evict_rule
 from kvtool.runtime.merge import merge_rule
+from kvtool.runtime.selection import select_rule
 
 log = logging.getLogger("kvtool")
 
@@ -68,7 +70,8 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
 
 
 def layer_plans(profile: Profile) -> list[LayerPlan | None]:
-    rule = merge_rule(profile.method.merge)
+    method = profile.method
+    rule, select, evict = merge_rule(method.merge), select_rule(method.selection), evict_rule(method.eviction)
     plans: list[LayerPlan | None] = []
     for kind, layer in zip(profile.model.layer_types, profile.layers):
         if kind != FULL_ATTENTION or not layer.compress:
@@ -81,6 +84,8 @@ def layer_plans(profile: Profile) -> list[LayerPlan | None]:
                 sink_tokens=profile.method.sink_tokens,
                 recent_window=profile.method.recent_window,
                 truncation_distance=profile.method.truncation_distance,
+                select=select,
+                evict=evict,
             )
         )
     return plans

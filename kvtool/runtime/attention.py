@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvtool.runtime.importance import attention_importance, attention_with_importance
+from kvtool.runtime.importance import attention_importance, attention_with_importance, decode_attention_with_scores
 from kvtool.runtime.layer import claim_layer
 
 ATTENTION_NAME = "kvtool"
@@ -48,7 +48,12 @@ def kvtool_attention_forward(
         layer.compress_prompt(attention_mask, importance)
         return out
     mask = layer.decode_mask(attention_mask)
-    out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+    if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
+        output, received = decode_attention_with_scores(query, key, value, mask, scaling)
+        layer.add_scores(received)
+        out = (output, None)
+    else:
+        out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
     layer.evict_over_budget()
     return out
 

@@ -189,3 +189,24 @@ def _chunked_attention(
     if out is not None:
         out = out.reshape(bsz, n_heads, n_q, -1).transpose(1, 2).contiguous().to(query.dtype)
     return out, total / n_heads
+
+
+def decode_attention_with_scores(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token's attention over the cached slots, with the probabilities it gave them.
+
+    query: [B, Hq, 1, D]; keys/values: [B, Hkv, S, D]; mask: boolean [B, 1, 1, S].
+    Returns the output in sdpa_attention_forward's layout [B, 1, Hq, D] and [B, S] probabilities
+    averaged over query heads (what H2O accumulates). Used only by rules that need the scores.
+    """
+    bsz, n_heads, _, head_dim = query.shape
+    n_kv_heads = keys.shape[1]
+    acc = accumulation_dtype(query.dtype)
+    q = query.reshape(bsz, n_kv_heads, n_heads // n_kv_heads, head_dim).to(acc) * scaling
+    scores = torch.matmul(q, keys.to(acc).transpose(-1, -2))  # [B, Hkv, g, S]
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.to(acc))  # [B, Hkv, g, D]
+    out = out.reshape(bsz, 1, n_heads, -1).to(query.dtype)
+    return out, probs.sum(dim=(1, 2)) / n_heads

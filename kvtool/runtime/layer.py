@@ -13,16 +13,16 @@ buffer only grows when the layer's share grows.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.eviction import frozen_prefix, oldest_unfrozen
+from kvtool.runtime.eviction import EvictRule, FixedPoint
 from kvtool.runtime.merge import MergeRule
-from kvtool.runtime.selection import kept_count, select_tokens
+from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
 
 # Slots added when a layer's share outgrows its buffer: the stated floor above the budget.
 GROWTH_SLOTS = 16
@@ -40,6 +40,8 @@ class LayerPlan:
     sink_tokens: int
     recent_window: int
     truncation_distance: int
+    select: SelectRule = field(default_factory=TopImportance)
+    evict: EvictRule = field(default_factory=FixedPoint)
     # Keep the prompt importance after compressing (calibration reads it; costs one score pass).
     record_importance: bool = False
 
@@ -67,6 +69,7 @@ class CompressingLayer(DynamicLayer):
         self.valid: torch.Tensor | None = None  # [B, S] slot holds a real entry
         self.order: torch.Tensor | None = None  # [B, S] logical column of the slot's entry
         self.frozen: torch.Tensor | None = None  # [B, S] slot is in the frozen prefix
+        self.score: torch.Tensor | None = None  # [B, S] accumulated attention, for rules that need it
         self.tokens = np.zeros(0, dtype=np.int64)  # real tokens seen per sequence (T)
         self.kept = np.zeros(0, dtype=np.int64)  # valid slots per sequence
         self.compressed = False
@@ -127,7 +130,7 @@ class CompressingLayer(DynamicLayer):
             self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
 
     def _map_batch(self, fn, host_index: np.ndarray) -> None:
-        for name in ("keys", "values", "valid", "order", "frozen", "_prompt_rank"):
+        for name in ("keys", "values", "valid", "order", "frozen", "score", "_prompt_rank"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
@@ -138,7 +141,7 @@ class CompressingLayer(DynamicLayer):
     def physical_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.valid, self.order, self.frozen]
+        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def full_bytes(self) -> int:
@@ -156,7 +159,8 @@ class CompressingLayer(DynamicLayer):
 
     @property
     def needs_importance(self) -> bool:
-        return self.compresses or self.plan.record_importance
+        plan = self.plan
+        return (self.compresses and (plan.select.needs_importance or plan.evict.needs_scores)) or plan.record_importance
 
     def compress_prompt(self, mask: torch.Tensor | None, importance: torch.Tensor | None) -> None:
         """Keep ceil(R * n) entries per sequence (merging the rest), given the prompt's importance."""
@@ -176,7 +180,7 @@ class CompressingLayer(DynamicLayer):
             kept_valid = token_valid
             frozen_rank = torch.cumsum(token_valid.long(), dim=1) - 1
         else:
-            selection = select_tokens(
+            selection = plan.select.select(
                 importance, token_valid, keep, sink_tokens=plan.sink_tokens, recent_window=plan.recent_window
             )
             keys, values = plan.merge.merge(keys, values, selection, token_valid, importance)
@@ -185,6 +189,8 @@ class CompressingLayer(DynamicLayer):
         self.keys, self.values = keys.contiguous(), values.contiguous()
         self.valid = kept_valid.clone()
         self.order = index.clone()
+        if plan.evict.needs_scores and self.compresses:
+            self.score = importance.gather(1, index).masked_fill(~kept_valid, 0.0)
         self._prompt_columns = self.seen
         self._prompt_rank = torch.where(kept_valid, frozen_rank, torch.full_like(frozen_rank, -1))
         self.kept = keep
@@ -199,7 +205,10 @@ class CompressingLayer(DynamicLayer):
         if self.plan.truncation_distance != distance:
             self.plan = replace(self.plan, truncation_distance=distance)
         prompt_kept = (self._prompt_rank >= 0).sum(dim=1).cpu().numpy()
-        frozen_n = torch.as_tensor(frozen_prefix(prompt_kept, distance, self.plan.sink_tokens), device=self.keys.device)
+        frozen_n = self.plan.evict.frozen_count(
+            prompt_kept, truncation_distance=distance, sink_tokens=self.plan.sink_tokens
+        )
+        frozen_n = torch.as_tensor(frozen_n, device=self.keys.device)
         self.frozen = (self._prompt_rank >= 0) & (self._prompt_rank < frozen_n[:, None])
 
     # ----- generation phase --------------------------------------------------------------------
@@ -216,6 +225,8 @@ class CompressingLayer(DynamicLayer):
         self.valid.scatter_(1, column, True)
         self.frozen.scatter_(1, column, False)
         self.order.scatter_(1, column, self.seen)
+        if self.score is not None:
+            self.score.scatter_(1, column, 0.0)
         self.seen += 1
         self.tokens = self.tokens + 1
         self.kept = self.kept + 1
@@ -229,6 +240,8 @@ class CompressingLayer(DynamicLayer):
         self.valid = torch.cat([self.valid, self.valid.new_zeros(bsz, slots)], dim=1)
         self.frozen = torch.cat([self.frozen, self.frozen.new_zeros(bsz, slots)], dim=1)
         self.order = torch.cat([self.order, self.order.new_zeros(bsz, slots)], dim=1)
+        if self.score is not None:
+            self.score = torch.cat([self.score, self.score.new_zeros(bsz, slots)], dim=1)
 
     def decode_mask(self, given: torch.Tensor | None) -> torch.Tensor:
         """Boolean [B, 1, 1, S] mask over physical slots for the one new query token."""
@@ -242,12 +255,20 @@ class CompressingLayer(DynamicLayer):
                 self.kept = self.kept - fake
         return self.valid[:, None, None, :]
 
+    @property
+    def needs_decode_scores(self) -> bool:
+        return self.score is not None
+
+    def add_scores(self, received: torch.Tensor) -> None:
+        """Accumulate the attention the new token gave each slot ([B, S], averaged over query heads)."""
+        self.score += received.to(self.score.dtype).masked_fill(~self.valid, 0.0)
+
     def evict_over_budget(self) -> None:
-        """Fixed-point elimination: drop the queue's oldest entry where kept > ceil(R * T)."""
+        """Where kept > ceil(R * T), drop the one entry the plan's eviction rule names."""
         over = self.kept > kept_count(self.plan.ratio, self.tokens)
         if not over.any():
             return
-        victim = oldest_unfrozen(self.valid, self.frozen, self.order)
+        victim = self.plan.evict.victim(self)
         rows = torch.as_tensor(np.flatnonzero(over), device=self.valid.device)
         self.valid[rows, victim[rows]] = False
         self.kept = self.kept - over

@@ -1,8 +1,10 @@
-"""Which prompt tokens a layer keeps: protected tokens first, then the true top-k by importance."""
+"""The selection-rule interface: which prompt tokens a layer keeps, and the shared top-k machinery."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -32,17 +34,20 @@ def select_tokens(
     keep: np.ndarray,
     *,
     sink_tokens: int,
-    recent_window: int,
+    recent_window: int | np.ndarray,
 ) -> Selection:
     """Top-`keep[b]` tokens of each sequence, sinks and the recent window protected (inside the count).
 
     When `keep` is smaller than the protected set, sinks win over the recent window.
+    `recent_window` may differ per sequence (an array of B counts).
     """
     bsz, n = importance.shape
     device = importance.device
     real_rank = torch.cumsum(token_valid.long(), dim=1) - 1
     n_real = token_valid.sum(dim=1, keepdim=True)
     is_sink = token_valid & (real_rank < sink_tokens)
+    if isinstance(recent_window, np.ndarray):
+        recent_window = torch.as_tensor(recent_window, device=device)[:, None]
     is_recent = token_valid & (real_rank >= n_real - recent_window)
     # Importance is at most n (a column sum of probabilities over n rows), so protected classes sit
     # above it; within the recent window later tokens win, within the sinks earlier ones, so ties
@@ -59,3 +64,25 @@ def select_tokens(
     order_key = torch.where(chosen_valid, chosen, chosen.new_full((), n))
     order = torch.argsort(order_key, dim=1, stable=True)
     return Selection(index=chosen.gather(1, order), valid=chosen_valid.gather(1, order))
+
+
+class SelectRule(ABC):
+    """Chooses the `keep[b]` prompt entries each sequence keeps in one layer.
+
+    importance: [B, n] attention received (None when the rule does not need it); token_valid: [B, n].
+    Returns the kept prompt columns sorted by position. Protected tokens count inside `keep`.
+    """
+
+    name: ClassVar[str]
+    needs_importance: ClassVar[bool] = True
+
+    @abstractmethod
+    def select(
+        self,
+        importance: torch.Tensor | None,
+        token_valid: torch.Tensor,
+        keep: np.ndarray,
+        *,
+        sink_tokens: int,
+        recent_window: int,
+    ) -> Selection: ...

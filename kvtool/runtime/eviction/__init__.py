@@ -1,0 +1,22 @@
+"""Eviction rules by name (which entry goes when generation pushes a layer over its share); a new
+rule is one new module registered here."""
+
+from __future__ import annotations
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen
+from kvtool.runtime.eviction.fixed_point import FixedPoint, frozen_prefix
+from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
+from kvtool.runtime.eviction.sliding import Sliding
+
+EVICT_RULES: dict[str, type[EvictRule]] = {rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter)}
+
+
+def evict_rule(name: str) -> EvictRule:
+    try:
+        return EVICT_RULES[name]()
+    except KeyError:
+        raise KvtoolError(f"unknown eviction rule {name!r} (known: {', '.join(EVICT_RULES)})") from None
+
+
+__all__ = ["FixedPoint", "EVICT_RULES", "EvictRule", "evict_rule", "frozen_prefix", "oldest_unfrozen"]

@@ -1,0 +1,18 @@
+"""`sliding`: StreamingLLM's generation rule: the sink tokens stay, everything else is a queue."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen
+
+
+class Sliding(EvictRule):
+    name = "sliding"
+
+    def frozen_count(self, prompt_kept: np.ndarray, *, truncation_distance: int, sink_tokens: int) -> np.ndarray:
+        return np.minimum(sink_tokens, np.asarray(prompt_kept, dtype=np.int64))
+
+    def victim(self, layer) -> torch.Tensor:
+        return oldest_unfrozen(layer.valid, layer.frozen, layer.order)

@@ -1,0 +1,75 @@
+"""Named compression methods: kvtool's own and the baselines the papers compare against.
+
+A method is a recipe of runtime rules (which prompt tokens stay, how the rest are merged, which entry
+goes during generation) plus where the per-layer ratios come from. `method_profile` turns a name and
+a budget into a profile the runtime applies like any other, so every method runs through the same
+cache, attention function and memory accounting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles import MethodSettings, Profile
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    per_layer: bool  # calibrated per-layer ratios (PrefixKV) instead of the same ratio in every layer
+    selection: str
+    merge: str
+    eviction: str
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("local", "StreamingLLM: sink tokens plus the most recent ones", False, "recent", "none", "sliding"),
+        Method(
+            "h2o",
+            "Heavy-Hitter Oracle: half recent, half most accumulated attention (updated while generating)",
+            False,
+            "heavy-hitter",
+            "none",
+            "heavy-hitter",
+        ),
+        Method("elastic", "Elastic Cache: one ratio in every layer, importance anchors, merging", False, "importance", "position", "fixed-point"),
+        Method("prefixkv", "kvtool: calibrated per-layer ratios, importance anchors, merging", True, "importance", "position", "fixed-point"),
+        Method("prefixkv-evict", "PrefixKV: calibrated per-layer ratios, eviction only", True, "importance", "none", "fixed-point"),
+    )
+}
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KvtoolError(f"unknown method {name!r} (known: {', '.join(METHODS)})") from None
+
+
+def method_profile(name: str, model, budget: float, calibrated: Profile | None = None) -> Profile:
+    """The profile that applies method `name` at `budget` to `model`.
+
+    Per-layer methods need `calibrated` (its ratios are re-derived for `budget` from the stored curves);
+    the others use the same ratio in every layer. Sinks, recent window and truncation distance come
+    from `calibrated` when given, so methods differ only in what their names say.
+    """
+    from kvtool.calibrate.budget import rebudget
+    from kvtool.runtime.attach import uniform_profile
+
+    method = get_method(name)
+    if not (0.0 < budget <= 1.0):
+        raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget:g}")
+    if method.per_layer:
+        if calibrated is None:
+            raise KvtoolError(f"method {name!r} needs a calibrated profile (kvtool calibrate MODEL --budget B)")
+        profile = calibrated if budget == calibrated.budget else rebudget(calibrated, budget, source=name)[0]
+    else:
+        profile = uniform_profile(model, budget)
+    base = calibrated.method if calibrated is not None else MethodSettings()
+    settings = dataclasses.replace(base, selection=method.selection, merge=method.merge, eviction=method.eviction)
+    return dataclasses.replace(profile, method=settings)

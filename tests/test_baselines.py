@@ -1,0 +1,192 @@
+"""The baselines (local, h2o) and the method registry: invariants, padding equivalence, budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles import EVICTION_RULES, MERGE_MODES, SELECTION_RULES
+from kvtool.runtime import METHODS, attach, method_profile
+from kvtool.runtime.eviction import EVICT_RULES
+from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
+from kvtool.runtime.importance import decode_attention_with_scores
+from kvtool.runtime.merge import MERGE_RULES
+from kvtool.runtime.selection import SELECT_RULES
+from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
+
+NEW = 20
+RATIOS = [0.3, 0.5, 0.2]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+def recipe(model, name: str, ratios=RATIOS):
+    m = METHODS[name]
+    return profile_with(
+        model, ratios, selection=m.selection, merge=m.merge, eviction=m.eviction,
+        sink_tokens=2, recent_window=3, truncation_distance=5,
+    )
+
+
+def test_schema_names_match_the_runtime_registries():
+    assert set(SELECTION_RULES) == set(SELECT_RULES)
+    assert set(EVICTION_RULES) == set(EVICT_RULES)
+    assert set(MERGE_MODES) == set(MERGE_RULES)
+    for method in METHODS.values():
+        assert method.selection in SELECT_RULES and method.eviction in EVICT_RULES and method.merge in MERGE_RULES
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_padded_batch_equals_single_runs(llama, name):
+    seqs = prompts([61, 37, 50], seed=3)
+    with torch.no_grad(), attach(llama, recipe(llama, name)) as handle:
+        batch = llama.generate(**left_pad(seqs), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+        for i, seq in enumerate(seqs):
+            single = llama.generate(**left_pad([seq]), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+            alone = single.sequences[0, len(seq):]
+            assert torch.equal(alone, batch.sequences[i, -NEW:][: len(alone)]), f"sequence {i}"
+            diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(single.scores, batch.scores))
+            assert diff < 1e-6
+
+
+def _step_through(model, handle, seqs, steps):
+    """Prompt forward plus `steps` greedy tokens by hand; yields the cache after every forward."""
+    inputs = left_pad(seqs)
+    cache = handle.new_cache(record_importance=True)
+    mask = inputs["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True)
+    yield cache
+    position = mask.sum(1, keepdim=True)
+    for _ in range(steps):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], dim=1)
+        out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        position = position + 1
+        yield cache
+
+
+@pytest.mark.parametrize("name", ["local", "h2o"])
+def test_every_step_within_each_layers_share(llama, name):
+    seqs = prompts([45, 30], seed=4)
+    with torch.no_grad(), attach(llama, recipe(llama, name)) as handle:
+        for cache in _step_through(llama, handle, seqs, 60):
+            for index, layer in cache.compressing_layers().items():
+                share = np.ceil(RATIOS[index] * layer.tokens - 1e-9)
+                assert (layer.valid.sum(1).numpy() == layer.kept).all()
+                assert (layer.kept <= np.maximum(share, 1)).all()
+
+
+def test_local_keeps_sinks_and_the_most_recent_tokens(llama):
+    seqs = prompts([45, 30], seed=5)
+    sinks = 2
+    with torch.no_grad(), attach(llama, recipe(llama, "local")) as handle:
+        for step, cache in enumerate(_step_through(llama, handle, seqs, 30)):
+            for layer in cache.compressing_layers().values():
+                for b in range(len(seqs)):
+                    first = layer.seen - int(layer.tokens[b])  # left padding: real columns are the last ones
+                    kept = sorted(layer.order[b][layer.valid[b]].tolist())
+                    k = int(layer.kept[b])
+                    expected = list(range(first, first + sinks)) + list(range(layer.seen - (k - sinks), layer.seen))
+                    assert kept == expected, f"step {step}, row {b}"
+
+
+def test_h2o_prompt_keeps_recent_half_and_top_importance(llama):
+    seqs = prompts([45, 30], seed=6)
+    with torch.no_grad(), attach(llama, recipe(llama, "h2o")) as handle:
+        cache = next(_step_through(llama, handle, seqs, 0))
+        for layer in cache.compressing_layers().values():
+            for b in range(len(seqs)):
+                n = int(layer.tokens[b])
+                first = layer.seen - n
+                importance = layer.prompt_importance[b, first:].tolist()
+                k = int(layer.kept[b])
+                recent = set(range(n - k // 2, n))
+                rest = sorted((i for i in range(n) if i not in recent), key=lambda i: -importance[i])
+                expected = sorted(recent | set(rest[: k - k // 2]))
+                kept = sorted(c - first for c in layer.order[b][layer.valid[b]].tolist())
+                assert kept == expected
+                # Accumulated scores start at the prompt importance of the kept tokens.
+                got = layer.score[b][layer.valid[b]]
+                want = torch.tensor([importance[c - first] for c in layer.order[b][layer.valid[b]].tolist()], dtype=torch.float64)
+                assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_h2o_scores_accumulate_every_new_tokens_attention(llama):
+    """Each step adds the new token's attention (probabilities averaged over heads sum to one) to the
+    entries it saw: the total grows by exactly one on steps without an eviction, and by one minus what
+    the evicted entry received on steps with one."""
+    seqs = prompts([40], seed=7)
+    kinds = set()
+    with torch.no_grad(), attach(llama, recipe(llama, "h2o")) as handle:
+        caches = _step_through(llama, handle, seqs, 25)
+        layers = next(caches).compressing_layers()
+        before = {i: (layer.score.clone(), layer.valid.clone(), layer.kept.copy()) for i, layer in layers.items()}
+        for _ in range(25):
+            next(caches)
+            for i, layer in layers.items():
+                score, valid, kept = before[i]
+                width = layer.score.shape[1]
+                old = F.pad(score * valid, (0, width - score.shape[1]))
+                still = F.pad(valid, (0, width - valid.shape[1])) & layer.valid
+                gained = float((layer.score * layer.valid).sum() - (old * still).sum())
+                evicted = bool(layer.kept[0] == kept[0])
+                kinds.add(evicted)
+                if evicted:
+                    assert 0.0 < gained < 1.0
+                else:
+                    assert math.isclose(gained, 1.0, abs_tol=1e-9)
+                before[i] = (layer.score.clone(), layer.valid.clone(), layer.kept.copy())
+    assert kinds == {True, False}
+
+
+def test_h2o_victim_is_the_lowest_score_outside_the_recent_half():
+    valid = torch.tensor([[True, True, True, True, True, True, False]])
+    order = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
+    score = torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0]])
+    layer = SimpleNamespace(valid=valid, order=order, score=score, seen=6, tokens=np.array([10]),
+                            plan=SimpleNamespace(ratio=0.5))
+    # share ceil(0.5 * 10) = 5, recent half = 2: columns 4 and 5 are protected, slot 1 is lowest of the rest.
+    assert HeavyHitter().victim(layer).tolist() == [1]
+
+
+def test_decode_attention_with_scores_matches_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 11, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 11, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 1, 1, 11, dtype=torch.bool)
+    mask[1, ..., :4] = False
+    out, received = decode_attention_with_scores(q, k, v, mask, 0.3)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), mask, scale=0.3)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-12)
+    probs = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3).masked_fill(~mask, -torch.inf), -1)
+    assert torch.allclose(received, probs.mean(dim=1)[:, 0], atol=1e-12)
+    assert received[1, :4].abs().max() == 0
+
+
+def test_method_profile_settings_and_errors(llama):
+    calibrated = profile_with(llama, RATIOS, sink_tokens=3, recent_window=5, truncation_distance=7)
+    local = method_profile("local", llama, 0.2, calibrated)
+    assert [layer.ratio for layer in local.layers] == [0.2, 0.2, 0.2]
+    assert (local.method.selection, local.method.merge, local.method.eviction) == ("recent", "none", "sliding")
+    assert (local.method.sink_tokens, local.method.truncation_distance) == (3, 7)
+    evict = method_profile("prefixkv-evict", llama, calibrated.budget, calibrated)
+    assert [layer.ratio for layer in evict.layers] == RATIOS and evict.method.merge == "none"
+    with pytest.raises(KvtoolError, match="unknown method 'snap'"):
+        method_profile("snap", llama, 0.2)
+    with pytest.raises(KvtoolError, match="needs a calibrated profile"):
+        method_profile("prefixkv", llama, 0.2)
+    with pytest.raises(KvtoolError, match=r"\(0, 1\]"):
+        method_profile("local", llama, 1.5)
+    assert dataclasses.replace(local.method, selection="importance").selection == "importance"
