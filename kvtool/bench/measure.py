@@ -1,0 +1,253 @@
+"""Timed runs of the full, the kvtool and the truncated ("ceiling") cache on the same prompts.
+
+The three caches run in one process on the same model and prompts: one short warm-up run each,
+then `repeat` rounds that run all three in turn (interleaved, so drift such as thermal throttling
+or a neighbour's load hits all three alike), and the median of each metric over the rounds.
+
+A run is one prompt forward followed by `new_tokens` one-token greedy decode forwards in a plain
+loop (no `generate`, so the timings contain nothing but the model and the cache).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvtool.models  # noqa: F401  (first: sets the offline/quiet HF env before transformers loads)
+from kvtool.bench.config import WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchConfig
+from kvtool.bench.peak import peak_memory_method, release_memory, track_peak
+from kvtool.errors import KvtoolError
+from kvtool.profiles import Profile
+from kvtool.runtime import attach
+from kvtool.runtime.attach import layer_plans
+from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.memory import kv_bytes
+from kvtool.runtime.selection import kept_count
+
+# The three caches, in the order each round runs them (keys of the JSON report).
+FULL, COMPRESSED, CEILING = "full", "compressed", "ceiling"
+CACHES = (FULL, COMPRESSED, CEILING)
+LABELS = {FULL: "full", COMPRESSED: "kvtool", CEILING: "truncated ceiling"}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run of one cache.
+
+    prefill_s: the prompt forward (for the ceiling including the truncation after it).
+    decode_s: the `new_tokens` one-token forwards after it.
+    kv_bytes: bytes of KV storage the cache holds at the end (`kvtool.runtime.memory.kv_bytes`).
+    kv_slots: physical entries per layer at the end (sequence length of each layer's key tensor).
+    peak_memory_bytes: peak memory during the run (see `kvtool.bench.peak`).
+    """
+
+    prefill_s: float
+    decode_s: float
+    batch: int
+    new_tokens: int
+    kv_bytes: int
+    kv_slots: tuple[int, ...]
+    peak_memory_bytes: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.batch * self.new_tokens / self.decode_s
+
+    @property
+    def end_to_end_tok_s(self) -> float:
+        return self.batch * self.new_tokens / (self.prefill_s + self.decode_s)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The median over the measured runs of one cache (each metric's own median)."""
+
+    prefill_s: float
+    decode_tok_s: float
+    end_to_end_tok_s: float
+    kv_bytes: int
+    peak_memory_bytes: int
+    kv_slots: tuple[int, ...]
+    runs: tuple[RunResult, ...]
+
+    @classmethod
+    def of(cls, runs: Sequence[RunResult]) -> CacheStats:
+        if not runs:
+            raise ValueError("no runs to summarise")
+        return cls(
+            prefill_s=statistics.median(r.prefill_s for r in runs),
+            decode_tok_s=statistics.median(r.decode_tok_s for r in runs),
+            end_to_end_tok_s=statistics.median(r.end_to_end_tok_s for r in runs),
+            kv_bytes=int(statistics.median(r.kv_bytes for r in runs)),  # the same in every run
+            peak_memory_bytes=int(statistics.median(r.peak_memory_bytes for r in runs)),
+            kv_slots=runs[-1].kv_slots,
+            runs=tuple(runs),
+        )
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Medians of the three caches plus what was measured; the ratios are derived from the parts."""
+
+    full: CacheStats
+    compressed: CacheStats
+    ceiling: CacheStats
+    config: BenchConfig
+    profile: Profile
+    torch_threads: int
+    device: str
+    dtype: str
+    peak_memory_method: str
+
+    @property
+    def decode_speedup(self) -> float:
+        return self.compressed.decode_tok_s / self.full.decode_tok_s
+
+    @property
+    def decode_speedup_ceiling(self) -> float:
+        return self.ceiling.decode_tok_s / self.full.decode_tok_s
+
+    @property
+    def prefill_ratio(self) -> float:
+        return self.compressed.prefill_s / self.full.prefill_s
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.compressed.kv_bytes / self.full.kv_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layer_slots(cache: Any) -> tuple[int, ...]:
+    """Physical entries each layer holds (0 for a layer that was never filled)."""
+    slots = []
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        slots.append(int(keys.shape[-2]) if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0)
+    return tuple(slots)
+
+
+def truncate_like(cache: Any, plans: Sequence[LayerPlan | None]) -> None:
+    """Cut each compressing layer of a plain cache to the entries kvtool keeps there after the prompt.
+
+    Layer l keeps its first ceil(R_l * n) entries (n = prompt length): the same shapes as the kvtool
+    cache, with no scoring and no merging. Layers kvtool leaves alone (plan None, e.g. sliding-window
+    layers) and layers at ratio 1 stay untouched.
+    """
+    for layer, plan in zip(cache.layers, plans):
+        if plan is None or plan.ratio >= 1.0 or getattr(layer, "keys", None) is None:
+            continue
+        n = int(layer.keys.shape[-2])
+        keep = int(kept_count(plan.ratio, np.array([n]))[0])
+        layer.keys = layer.keys[:, :, :keep].contiguous()
+        layer.values = layer.values[:, :, :keep].contiguous()
+
+
+def run_once(
+    model: Any,
+    ids: torch.Tensor,
+    new_tokens: int,
+    make_cache: Callable[[], Any],
+    after_prefill: Callable[[Any], None] | None = None,
+) -> RunResult:
+    """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache."""
+    device = ids.device
+    release_memory(device)
+    bsz, n = ids.shape
+    with track_peak(device) as peak:
+        cache = make_cache()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if after_prefill is not None:
+            after_prefill(cache)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        t1 = time.perf_counter()
+        for step in range(new_tokens):
+            position = torch.full((bsz, 1), n + step, device=device)
+            out = model(
+                input_ids=token, past_key_values=cache, position_ids=position, use_cache=True, logits_to_keep=1
+            )
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        t2 = time.perf_counter()
+        del out, token
+    return RunResult(
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        batch=bsz,
+        new_tokens=new_tokens,
+        kv_bytes=kv_bytes(cache),
+        kv_slots=layer_slots(cache),
+        peak_memory_bytes=peak.bytes,
+    )
+
+
+def run_bench(
+    model: Any,
+    ids: torch.Tensor,
+    profile: Profile,
+    config: BenchConfig,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Measure the full cache, `profile`'s kvtool cache and the truncated ceiling on `ids`.
+
+    `ids` is [batch, prompt_tokens] on the model's device (see `kvtool.bench.prompts.long_prompts`);
+    `progress(description)` is called before each of the `config.total_runs` runs. The model is
+    attached to the profile only around the kvtool runs (the full and the ceiling runs see the model
+    as it is without kvtool) and is detached when this returns.
+    """
+    from transformers import DynamicCache
+
+    if tuple(ids.shape) != (config.batch, config.prompt_tokens):
+        expected = (config.batch, config.prompt_tokens)
+        raise KvtoolError(f"prompt ids have shape {tuple(ids.shape)}, expected {expected}")
+    attach(model, profile).detach()  # refuses a profile made for another model before any run
+    plans = layer_plans(profile)
+
+    def plain_cache() -> Any:
+        return DynamicCache(config=model.config)
+
+    def measure(name: str, prompt: torch.Tensor, new_tokens: int) -> RunResult:
+        # Only the kvtool runs use kvtool attention: the other two run the model as it is without kvtool.
+        if name == COMPRESSED:
+            with attach(model, profile) as handle:
+                return run_once(model, prompt, new_tokens, handle.new_cache)
+        if name == CEILING:
+            return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
+        return run_once(model, prompt, new_tokens, plain_cache)
+
+    runs: dict[str, list[RunResult]] = {name: [] for name in CACHES}
+    warmup_ids = ids[:, : min(WARMUP_PROMPT_TOKENS, config.prompt_tokens)]
+    with torch.inference_mode():
+        for name in CACHES:
+            if progress is not None:
+                progress(f"warm-up: {LABELS[name]}")
+            measure(name, warmup_ids, min(WARMUP_NEW_TOKENS, config.new_tokens))
+        for round_index in range(config.repeat):
+            for name in CACHES:  # interleaved, so drift hits all three alike
+                if progress is not None:
+                    progress(f"run {round_index + 1}/{config.repeat}: {LABELS[name]}")
+                runs[name].append(measure(name, ids, config.new_tokens))
+    return BenchResult(
+        full=CacheStats.of(runs[FULL]),
+        compressed=CacheStats.of(runs[COMPRESSED]),
+        ceiling=CacheStats.of(runs[CEILING]),
+        config=config,
+        profile=profile,
+        torch_threads=torch.get_num_threads(),
+        device=str(ids.device),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        peak_memory_method=peak_memory_method(ids.device),
+    )

@@ -1,0 +1,118 @@
+"""Peak memory during one measured run.
+
+CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (tensor memory on the GPU).
+CPU: the process's resident set size (RSS), read from /proc/self/statm by a background thread
+every 5 ms while the run lasts; the maximum sample. Where /proc is missing (macOS), the process's
+lifetime peak RSS from `resource.getrusage` (`ru_maxrss`), which never goes down, so later runs
+report at least what earlier ones did.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+SAMPLE_INTERVAL_S = 0.005
+_STATM = "/proc/self/statm"
+
+CUDA_METHOD = "cuda max_memory_allocated (peak tensor memory on the GPU during the run)"
+STATM_METHOD = "cpu rss: /proc/self/statm sampled every 5 ms during the run (peak resident set of the process)"
+RUSAGE_METHOD = "cpu ru_maxrss: getrusage peak resident set of the process so far (lifetime peak, not per run)"
+
+
+@dataclass
+class PeakReading:
+    """Filled in when the `track_peak` block ends."""
+
+    bytes: int = 0
+
+
+def _statm_available() -> bool:
+    try:
+        return _read_rss() > 0
+    except OSError:
+        return False
+
+
+def _read_rss() -> int:
+    with open(_STATM, "rb") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_memory_method(device: torch.device) -> str:
+    """Which measurement `track_peak` makes on this device (the JSON and the table say it)."""
+    if device.type == "cuda":
+        return CUDA_METHOD
+    return STATM_METHOD if _statm_available() else RUSAGE_METHOD
+
+
+def release_memory(device: torch.device) -> None:
+    """Return freed memory before a run, so one run's garbage does not count toward the next one's peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif sys.platform.startswith("linux"):
+        try:  # glibc keeps freed heap pages resident until trimmed
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(name="kvtool-bench-rss", daemon=True)
+        self.peak = _read_rss()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(SAMPLE_INTERVAL_S):
+            self.peak = max(self.peak, _read_rss())
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, _read_rss())
+        return self.peak
+
+
+def _ru_maxrss_bytes() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB elsewhere
+
+
+@contextmanager
+def track_peak(device: torch.device) -> Iterator[PeakReading]:
+    """Peak memory of the block, by the method `peak_memory_method(device)` names."""
+    reading = PeakReading()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            yield reading
+        finally:
+            torch.cuda.synchronize(device)
+            reading.bytes = int(torch.cuda.max_memory_allocated(device))
+        return
+    if not _statm_available():
+        try:
+            yield reading
+        finally:
+            reading.bytes = _ru_maxrss_bytes()
+        return
+    sampler = _RssSampler()
+    sampler.start()
+    try:
+        yield reading
+    finally:
+        reading.bytes = sampler.stop()

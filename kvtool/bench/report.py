@@ -1,0 +1,101 @@
+"""The `kvtool bench` report: the `--json` object other tools read, and the rich table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvtool.bench.measure import CACHES, LABELS, BenchResult, CacheStats
+
+# Keys of each of "full", "compressed" and "ceiling" in the JSON object.
+CACHE_KEYS = ("prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes", "kv_slots")
+RATIO_KEYS = ("decode_speedup", "decode_speedup_ceiling", "prefill_ratio", "kv_fraction")
+
+
+def cache_dict(stats: CacheStats) -> dict[str, Any]:
+    return {
+        "prefill_s": stats.prefill_s,
+        "decode_tok_s": stats.decode_tok_s,
+        "end_to_end_tok_s": stats.end_to_end_tok_s,
+        "kv_bytes": stats.kv_bytes,
+        "peak_memory_bytes": stats.peak_memory_bytes,
+        "kv_slots": list(stats.kv_slots),
+    }
+
+
+def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[str, Any]:
+    """The `--json` contract: keep these keys stable, scripts parse them."""
+    config = result.config
+    return {
+        "model": model,
+        "profile": profile_note,
+        "budget": result.profile.budget,
+        "prompt_tokens": config.prompt_tokens,
+        "batch": config.batch,
+        "new_tokens": config.new_tokens,
+        "repeat": config.repeat,
+        "torch_threads": result.torch_threads,
+        "device": result.device,
+        "dtype": result.dtype,
+        "peak_memory_method": result.peak_memory_method,
+        **{name: cache_dict(getattr(result, name)) for name in CACHES},
+        "decode_speedup": result.decode_speedup,
+        "decode_speedup_ceiling": result.decode_speedup_ceiling,
+        "prefill_ratio": result.prefill_ratio,
+        "kv_fraction": result.kv_fraction,
+    }
+
+
+def _bytes(count: int) -> str:
+    from kvtool.cli.generate import human_bytes
+
+    return human_bytes(count)
+
+
+def bench_table(result: BenchResult) -> Table:
+    table = Table(title="median of the measured runs", title_justify="left")
+    table.add_column("cache", style="bold", no_wrap=True)
+    # Two-line headers keep the table within 80 columns.
+    table.add_column("prompt\nphase s", justify="right")
+    table.add_column("decode\ntok/s", justify="right")
+    table.add_column("end-to-end\ntok/s", justify="right")
+    table.add_column("KV at\nthe end", justify="right")
+    table.add_column("peak\nmemory", justify="right")
+    for name in CACHES:
+        stats: CacheStats = getattr(result, name)
+        table.add_row(
+            LABELS[name],
+            f"{stats.prefill_s:.3f}",
+            f"{stats.decode_tok_s:.1f}",
+            f"{stats.end_to_end_tok_s:.1f}",
+            _bytes(stats.kv_bytes),
+            _bytes(stats.peak_memory_bytes),
+        )
+    return table
+
+
+def render(console: Console, result: BenchResult, *, model: str, source: str, profile_note: str) -> None:
+    config = result.config
+    console.print(Text(f"model {model}: {source}", style="dim"), soft_wrap=True)
+    console.print(Text(f"KV cache: {profile_note}", style="dim"), soft_wrap=True)
+    console.print(
+        Text(
+            f"{config.batch} x {config.prompt_tokens} prompt tokens, {config.new_tokens} decode steps, "
+            f"{config.repeat} measured run(s) per cache after a warm-up; {result.device}, {result.dtype}, "
+            f"{result.torch_threads} torch thread(s)",
+            style="dim",
+        ),
+        soft_wrap=True,
+    )
+    console.print(bench_table(result))
+    share = result.decode_speedup / result.decode_speedup_ceiling if result.decode_speedup_ceiling else 0.0
+    console.print(
+        f"decode: kvtool {result.decode_speedup:.2f}x the full cache's tokens/s "
+        f"(ceiling {result.decode_speedup_ceiling:.2f}x: kvtool reaches {share:.0%} of it)"
+    )
+    console.print(f"prompt phase: kvtool takes {result.prefill_ratio:.2f}x the full cache's time")
+    console.print(f"KV cache: kvtool holds {result.kv_fraction:.1%} of the full cache's bytes")
+    console.print(Text(f"peak memory: {result.peak_memory_method}", style="dim"), soft_wrap=True)

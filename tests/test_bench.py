@@ -1,0 +1,177 @@
+"""`kvtool bench`: the JSON contract, the per-layer ceiling, and bad input (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtool.bench import BenchConfig, long_prompts, run_bench
+from kvtool.bench.config import MIN_PROMPT_TOKENS
+from kvtool.cli.app import main
+from kvtool.models import load_model
+from kvtool.profiles import save_profile
+from kvtool.runtime import uniform_profile
+from kvtool.runtime.layer import GROWTH_SLOTS
+from tiny_models import profile_with, tiny_gemma3
+
+CACHE_KEYS = {"prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes"}
+RATIO_KEYS = {"decode_speedup", "decode_speedup_ceiling", "prefill_ratio", "kv_fraction"}
+META_KEYS = {
+    "model", "profile", "budget", "prompt_tokens", "batch", "new_tokens", "repeat",
+    "torch_threads", "device", "peak_memory_method",
+}
+SMALL = ["--prompt-tokens", "48", "--new-tokens", "4", "--batch", "2", "--repeat", "1"]
+
+
+def run_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
+    """`kvtool ARGS` in this process (fast: torch is loaded once): exit status, stdout, stderr."""
+    monkeypatch.setattr(sys, "argv", ["kvtool", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def bench_json(capsys, monkeypatch, model_dir: Path, *extra: str) -> dict:
+    code, out, err = run_main(capsys, monkeypatch, "bench", str(model_dir), *SMALL, "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def kv_heads_and_dim(model) -> tuple[int, int]:
+    config = model.config
+    return config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path):
+    return load_model(str(tiny_llama_dir))
+
+
+def test_json_contract_and_ratios_from_the_parts(capsys, monkeypatch, tiny_llama_dir: Path) -> None:
+    report = bench_json(capsys, monkeypatch, tiny_llama_dir)
+    assert set(report) >= META_KEYS | RATIO_KEYS | {"full", "compressed", "ceiling"}
+    for name in ("full", "compressed", "ceiling"):
+        assert set(report[name]) >= CACHE_KEYS
+        part = report[name]
+        assert part["prefill_s"] > 0 and part["decode_tok_s"] > 0 and part["peak_memory_bytes"] > 0
+        # End to end includes the prompt phase, so it is below the decode rate.
+        assert 0 < part["end_to_end_tok_s"] < part["decode_tok_s"]
+    full, comp, ceil = report["full"], report["compressed"], report["ceiling"]
+    assert report["decode_speedup"] == pytest.approx(comp["decode_tok_s"] / full["decode_tok_s"])
+    assert report["decode_speedup_ceiling"] == pytest.approx(ceil["decode_tok_s"] / full["decode_tok_s"])
+    assert report["prefill_ratio"] == pytest.approx(comp["prefill_s"] / full["prefill_s"])
+    assert report["kv_fraction"] == pytest.approx(comp["kv_bytes"] / full["kv_bytes"])
+    # Default: budget 0.2 through generate's rule (no built-in profile for a directory: uniform).
+    assert report["budget"] == 0.2 and "uniform" in report["profile"]
+    assert report["kv_fraction"] < 1
+    assert (report["prompt_tokens"], report["new_tokens"], report["batch"], report["repeat"]) == (48, 4, 2, 1)
+    assert report["device"] == "cpu" and report["torch_threads"] == torch.get_num_threads()
+    assert "statm" in report["peak_memory_method"] or "ru_maxrss" in report["peak_memory_method"]
+
+
+def test_full_cache_bytes_are_the_plain_cache(capsys, monkeypatch, tiny_llama_dir: Path, tiny) -> None:
+    report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--budget", "0.5")
+    heads, dim = kv_heads_and_dim(tiny.model)
+    layers = tiny.model.config.num_hidden_layers
+    # The cache holds the prompt plus every fed token (the last chosen one is never fed).
+    assert report["full"]["kv_slots"] == [48 + 4] * layers
+    assert report["full"]["kv_bytes"] == layers * 2 * 2 * heads * (48 + 4) * dim * 4
+
+
+def test_ceiling_keeps_each_layers_profile_share(capsys, monkeypatch, tiny_llama_dir: Path, tiny, tmp_path) -> None:
+    ratios = [0.2, 0.6]
+    path = save_profile(profile_with(tiny.model, ratios), tmp_path / "two-ratios.yaml")
+    report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(path))
+    n, new, batch = 48, 4, 2
+    kept_after_prompt = [math.ceil(r * n) for r in ratios]
+    # The truncated dense cache: each layer's prompt share, then every decoded token appended.
+    assert report["ceiling"]["kv_slots"] == [k + new for k in kept_after_prompt]
+    heads, dim = kv_heads_and_dim(tiny.model)
+    assert report["ceiling"]["kv_bytes"] == sum(2 * batch * heads * (k + new) * dim * 4 for k in kept_after_prompt)
+    # kvtool holds about as many entries per layer (ceil(R_l * T) plus its growth floor of 16 slots).
+    slots = zip(kept_after_prompt, report["ceiling"]["kv_slots"], report["compressed"]["kv_slots"])
+    for kept, ceiling, compressed in slots:
+        assert kept <= compressed <= ceiling + GROWTH_SLOTS
+    assert report["kv_fraction"] < 1 and report["budget"] == pytest.approx(sum(ratios) / len(ratios))
+
+
+def test_sliding_window_layers_stay_untouched() -> None:
+    model = tiny_gemma3()
+    config = BenchConfig(prompt_tokens=40, new_tokens=3, batch=2, repeat=1)
+    ids = torch.randint(3, 97, (config.batch, config.prompt_tokens))
+    calls: list[str] = []
+    result = run_bench(model, ids, uniform_profile(model, 0.25), config, progress=calls.append)
+    assert len(calls) == config.total_runs
+    kinds = model.config.layer_types
+    for index, kind in enumerate(kinds):
+        full, ceiling = result.full.kv_slots[index], result.ceiling.kv_slots[index]
+        if kind == "sliding_attention":
+            assert ceiling == full == result.compressed.kv_slots[index]
+        else:
+            assert ceiling == math.ceil(0.25 * 40) + 3 < full
+    assert result.kv_fraction < 1
+    assert model.config._attn_implementation == "sdpa"  # detached afterwards
+
+
+def test_long_prompts_are_distinct_windows_with_bos(tiny) -> None:
+    ids = long_prompts(tiny.tokenizer, 300, 3)
+    assert ids.shape == (3, 300) and ids.dtype == torch.long
+    assert (ids[:, 0] == tiny.tokenizer.bos_token_id).all()
+    assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[1], ids[2])
+
+
+def test_text_report_has_the_three_rows_and_the_ratios(capsys, monkeypatch, tiny_llama_dir: Path) -> None:
+    code, out, err = run_main(capsys, monkeypatch, "bench", str(tiny_llama_dir), *SMALL)
+    assert code == 0, err
+    for row in ("full", "kvtool", "truncated ceiling"):
+        assert row in out
+    assert "decode:" in out and "prompt phase:" in out and "of the full cache's bytes" in out
+    assert "peak memory:" in out
+
+
+def test_json_stdout_is_one_object_from_the_real_entry_point(tiny_llama_dir: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvtool.cli.app import main; main()", "bench", str(tiny_llama_dir),
+         "--prompt-tokens", "32", "--new-tokens", "2", "--batch", "1", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert isinstance(json.loads(done.stdout), dict)
+    assert done.stdout.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "0"], "error: --budget must be a kept fraction in (0, 1]"),
+        (["--budget", "1.5"], "error: --budget must be a kept fraction in (0, 1]"),
+        (["--prompt-tokens", str(MIN_PROMPT_TOKENS - 1)], "error: --prompt-tokens must be at least 16"),
+        (["--prompt-tokens", "257"], "error: --prompt-tokens 257 is larger than the model's max_position_embeddings"),
+        (["--prompt-tokens", "250", "--new-tokens", "10"], "error: --prompt-tokens 250 + --new-tokens 10 exceed"),
+        (["--batch", "0"], "error: --batch must be at least 1"),
+        (["--new-tokens", "0"], "error: --new-tokens must be at least 1"),
+        (["--repeat", "0"], "error: --repeat must be at least 1"),
+        (["--profile", "no/such/profile.yaml"], "error: profile file not found"),
+    ],
+)
+def test_bad_input_is_one_error_line(capsys, monkeypatch, tiny_llama_dir: Path, args: list[str], message: str) -> None:
+    code, out, err = run_main(capsys, monkeypatch, "bench", str(tiny_llama_dir), *args)
+    assert code == 2 and out == ""
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_profile_for_another_model_is_refused(capsys, monkeypatch, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    path = save_profile(uniform_profile(tiny_gemma3(), 0.3), tmp_path / "other.yaml")
+    code, out, err = run_main(capsys, monkeypatch, "bench", str(tiny_llama_dir), *SMALL, "--profile", str(path))
+    assert code == 2 and out == ""
+    assert err.startswith("error: profile is for") and len(err.strip().splitlines()) == 1
