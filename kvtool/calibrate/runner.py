@@ -90,7 +90,7 @@ def default_out_path(model_name: str, budget: float) -> Path:
     return Path("profiles") / f"{stem}-b{budget:g}.yaml"
 
 
-def check_writable(path: str | Path) -> Path:
+def check_writable(path: str | Path, what: str = "profile") -> Path:
     """Fail before any model work if `path` cannot be written; leaves nothing behind.
 
     Probes with a real temporary file (permission bits say nothing when running as root, and
@@ -98,17 +98,17 @@ def check_writable(path: str | Path) -> Path:
     """
     dest = Path(path)
     if dest.is_dir():
-        raise KvtoolError(f"cannot write profile to {dest}: it is a directory")
+        raise KvtoolError(f"cannot write {what} to {dest}: it is a directory")
     parent = dest.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise KvtoolError(f"cannot write profile to {dest}: {parent} is not a directory")
+        raise KvtoolError(f"cannot write {what} to {dest}: {parent} is not a directory")
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".kvtool-probe-", delete=True):
             pass
     except OSError as exc:
-        raise KvtoolError(f"cannot write profile to {dest}: {exc.strerror or exc}") from None
+        raise KvtoolError(f"cannot write {what} to {dest}: {exc.strerror or exc}") from None
     return dest
 
 
@@ -125,7 +125,7 @@ def _validate_options(samples: int, max_prompt_tokens: int, method: MethodSettin
         raise KvtoolError(f"truncation distances must be integers >= 0, got {list(candidates)}")
 
 
-def _encode_samples(tokenizer: Any, samples: Sequence[Record], max_tokens: int, method: MethodSettings) -> list[list[int]]:
+def encode_samples(tokenizer: Any, samples: Sequence[Record], max_tokens: int, method: MethodSettings) -> list[list[int]]:
     protected = method.sink_tokens + method.recent_window
     encoded = []
     for index, record in enumerate(samples):
@@ -134,20 +134,20 @@ def _encode_samples(tokenizer: Any, samples: Sequence[Record], max_tokens: int, 
             raise KvtoolError(
                 f"{record.describe(index)} is {len(ids)} tokens long as the model sees it, not more than the "
                 f"{protected} protected tokens ({method.sink_tokens} sink + {method.recent_window} recent) that "
-                "are always kept: nothing to calibrate on; use longer prompts"
+                "are always kept: nothing to compress; use longer prompts"
             )
         encoded.append(ids)
     return encoded
 
 
-def _encode_answers(tokenizer: Any, samples: Sequence[Record], rows: Sequence[int]) -> list[list[int] | None]:
+def encode_answers(tokenizer: Any, samples: Sequence[Record], rows: Sequence[int]) -> list[list[int] | None]:
     return [
         None if samples[r].answer is None else list(tokenizer(samples[r].answer, add_special_tokens=False)["input_ids"])
         for r in rows
     ]
 
 
-def _prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
+def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
     device = model.device
     # Only the last position's logits are needed; the full [B, W, vocab] tensor is most of a
     # small model's prompt cost.
@@ -241,9 +241,9 @@ def calibrate(
 
     loaded = _load(model)
     tokenizer = loaded.tokenizer
-    encoded = _encode_samples(tokenizer, chosen, max_prompt_tokens, method)
+    encoded = encode_samples(tokenizer, chosen, max_prompt_tokens, method)
     batches = make_batches(encoded, batch_size, tokenizer.pad_token_id)
-    answers = [_encode_answers(tokenizer, chosen, batch.rows) for batch in batches]
+    answers = [encode_answers(tokenizer, chosen, batch.rows) for batch in batches]
     measure = _Measurement(loaded.model, tokenizer, method, reference_tokens, report, curve_importance == "mean")
 
     stats, states = measure.full_pass(batches, answers, with_references=bool(candidates))
@@ -325,7 +325,7 @@ class _Measurement:
             with torch.inference_mode():
                 for batch, batch_answers in zip(batches, answers):
                     cache = handle.new_cache(record_importance=True)
-                    first_logits = _prompt_forward(self.model, batch, cache)
+                    first_logits = prompt_forward(self.model, batch, cache)
                     parts.append((batch.rows, self._stats(cache)))
                     importance.step(len(batch.rows))
                     if not with_references:

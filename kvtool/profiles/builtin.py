@@ -18,3 +18,9 @@ def builtin_profile(model_name: str, budget: float) -> Path | None:
     """The shipped profile for this model alias and budget, if there is one."""
     path = builtin_dir() / builtin_name(model_name, budget)
     return path if path.is_file() else None
+
+
+def builtin_profiles(model_name: str) -> list[Path]:
+    """Every shipped profile for this model alias (any budget), sorted by file name."""
+    prefix = f"{model_name}-b"
+    return sorted(p for p in builtin_dir().iterdir() if p.name.startswith(prefix) and p.suffix == ".yaml")

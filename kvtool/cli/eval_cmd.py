@@ -1,0 +1,143 @@
+"""`kvtool eval MODEL`: quality (PPL, ROUGE-L) and kept KV fraction per method and budget."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.cli.app import app
+from kvtool.cli.calibrate import StageBars, passive_openmp
+from kvtool.errors import KvtoolError
+
+if TYPE_CHECKING:
+    from kvtool.evaluate import EvalReport
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise KvtoolError(f"--{what} is empty; give a comma-separated list")
+    return items
+
+
+def parse_budgets(text: str) -> tuple[float, ...]:
+    budgets = []
+    for item in parse_list(text, "budgets"):
+        try:
+            value = float(item)
+        except ValueError:
+            raise KvtoolError(f"--budgets: {item!r} is not a number") from None
+        if not 0.0 < value <= 1.0:
+            raise KvtoolError(f"--budgets: {item} is outside (0, 1] (a budget is the fraction of KV entries kept)")
+        budgets.append(value)
+    return tuple(budgets)
+
+
+def write_json(document: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")],
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help='JSONL prompts {"prompt": ..., "answer": optional}; default: the packaged evaluation prompts.'),
+    ] = None,
+    profile: Annotated[
+        Path | None,
+        typer.Option("--profile", help="Calibrated profile for the per-layer methods (default: the built-in one, else calibrate first)."),
+    ] = None,
+    budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated kept fractions.")] = "0.1,0.2,0.5",
+    methods: Annotated[
+        str,
+        typer.Option("--methods", help="Comma-separated: local, h2o, elastic, prefixkv, prefixkv-evict."),
+    ] = "local,h2o,elastic,prefixkv",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per prompt (ROUGE-L; PPL reference length).")] = 64,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per left-padded batch.")] = 4,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle.")] = 1024,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
+) -> None:
+    """Score methods x budgets with the papers' protocol: PPL of the references teacher-forced through
+    the compressed cache (eviction active), ROUGE-L of the compressed greedy output against the full
+    cache's, and the physical KV bytes kept. References are the data's answers, else the full cache's
+    greedy output."""
+    passive_openmp()
+    from kvtool.calibrate.data import load_jsonl
+    from kvtool.calibrate.runner import check_writable
+    from kvtool.evaluate import EvalConfig, evaluate
+    from kvtool.runtime import load_profile
+    from kvtool.runtime.methods import get_method
+
+    names = parse_list(methods, "methods")
+    for name in names:
+        get_method(name)
+    config = EvalConfig(tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens).checked()
+    records = load_jsonl(data) if data is not None else None
+    if profile is not None:
+        load_profile(profile)  # a bad file fails now, not after the full-cache pass
+    if plot is not None:
+        from kvtool.cli.gini_plot import require_matplotlib
+
+        require_matplotlib()
+        check_writable(plot, "plot")
+    if json_out is not None:
+        check_writable(json_out, "JSON")
+    console = Console(stderr=True)
+    with StageBars(console) as bars:
+        report = evaluate(
+            model, data=records, profile=profile, config=config, progress=bars,
+            notify=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True),
+        )
+    if data is not None:
+        report = _with_data_name(report, str(data))
+    render(Console(), report)
+    if json_out is not None:
+        write_json(report.to_dict(), json_out)
+        Console(stderr=True).print(f"wrote {json_out}")
+    if plot is not None:
+        from kvtool.evaluate.plot import plot_report
+
+        plot_report(report, plot)
+        Console(stderr=True).print(f"wrote {plot}")
+
+
+def _with_data_name(report: EvalReport, name: str) -> EvalReport:
+    import dataclasses
+
+    return dataclasses.replace(report, data=name)
+
+
+def render(console: Console, report: EvalReport) -> None:
+    table = Table(title=f"kvtool eval: {report.model} on {report.data} ({report.samples} prompts)")
+    table.add_column("budget", justify="right")
+    table.add_column("method")
+    table.add_column("PPL", justify="right")
+    table.add_column("ROUGE-L", justify="right")
+    table.add_column("KV kept", justify="right")
+    budgets = list(dict.fromkeys(r.budget for r in report.results))
+    for budget in budgets:
+        rows = [r for r in report.results if r.budget == budget]
+        best_ppl = min(r.ppl for r in rows)
+        best_rouge = max(r.rouge_l for r in rows)
+        for i, r in enumerate(rows):
+            ppl = f"[bold]{r.ppl:.3f}[/]" if r.ppl == best_ppl and len(rows) > 1 else f"{r.ppl:.3f}"
+            rouge = f"[bold]{r.rouge_l:.3f}[/]" if r.rouge_l == best_rouge and len(rows) > 1 else f"{r.rouge_l:.3f}"
+            table.add_row(f"{budget:g}" if i == 0 else "", r.method, ppl, rouge, f"{r.kv_fraction:.1%}", end_section=i == len(rows) - 1)
+    console.print(table)
+    console.print(
+        f"full cache: PPL {report.full_ppl:.3f} on {report.reference_tokens} reference tokens "
+        f"({report.references}); ROUGE-L is against the full cache's greedy output (1.0 = identical).",
+        soft_wrap=True,
+    )
+    console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)

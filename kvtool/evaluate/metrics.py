@@ -1,0 +1,26 @@
+"""Quality metrics: pooled perplexity and ROUGE-L F1 (via the `rouge-score` package)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def _scorer():
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"])
+
+
+def rouge_l_f1(prediction: str, target: str) -> float:
+    """ROUGE-L F1 of `prediction` against `target` (two empty outputs agree perfectly)."""
+    if not prediction.strip() and not target.strip():
+        return 1.0
+    return float(_scorer().score(target, prediction)["rougeL"].fmeasure)
+
+
+def mean_rouge_l(predictions: Sequence[str], targets: Sequence[str]) -> float:
+    if len(predictions) != len(targets) or not predictions:
+        raise ValueError("need as many predictions as targets, at least one")
+    return sum(rouge_l_f1(p, t) for p, t in zip(predictions, targets)) / len(predictions)

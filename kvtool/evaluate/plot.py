@@ -1,0 +1,36 @@
+"""`kvtool eval --plot`: PPL and ROUGE-L against budget, one line per method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtool.evaluate.results import EvalReport
+
+
+def plot_report(report: EvalReport, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ppl, ax_rouge) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    methods = list(dict.fromkeys(r.method for r in report.results))
+    for method in methods:
+        rows = sorted((r for r in report.results if r.method == method), key=lambda r: r.budget)
+        budgets = [r.budget for r in rows]
+        ax_ppl.plot(budgets, [r.ppl for r in rows], marker="o", label=method)
+        ax_rouge.plot(budgets, [r.rouge_l for r in rows], marker="o", label=method)
+    ax_ppl.axhline(report.full_ppl, color="black", linestyle="--", linewidth=1, label="full cache")
+    ax_ppl.set(xlabel="budget (kept fraction)", ylabel="PPL (lower is better)", yscale="log", title="Perplexity")
+    ax_rouge.axhline(1.0, color="black", linestyle="--", linewidth=1, label="full cache")
+    ax_rouge.set(xlabel="budget (kept fraction)", ylabel="ROUGE-L F1 vs full cache", ylim=(0, 1.05), title="ROUGE-L")
+    for ax in (ax_ppl, ax_rouge):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report.model}: {report.samples} prompts, {report.max_new_tokens} new tokens")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,162 @@
+"""`kvtool eval`: the PPL protocol against a hand computation, ROUGE-L wiring, the JSON contract,
+and bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtool.calibrate.batches import encode_prompt
+from kvtool.calibrate.data import load_jsonl
+from kvtool.cli.app import main
+from kvtool.evaluate import EvalConfig, evaluate
+from kvtool.evaluate.metrics import mean_rouge_l, rouge_l_f1
+from kvtool.models import load_model
+
+WORDS = "the cat dog sat on mat and it ran away to house big small red blue green one two three".split()
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["kvtool", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    rng = random.Random(11)
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60)))} for _ in range(5)]
+    return _write(tmp_path_factory.mktemp("eval") / "prompts.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def answers_file(tmp_path_factory) -> Path:
+    rng = random.Random(12)
+    rows = [
+        {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))),
+         "answer": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))}
+        for _ in range(4)
+    ]
+    return _write(tmp_path_factory.mktemp("eval") / "answers.jsonl", rows)
+
+
+def test_rouge_l_hand_computed():
+    assert rouge_l_f1("the cat sat", "the cat sat") == 1.0
+    # LCS("the cat sat on the mat", "the cat on mat") = 4 tokens: P = 4/6, R = 4/4, F = 0.8.
+    assert rouge_l_f1("the cat sat on the mat", "the cat on mat") == pytest.approx(0.8)
+    assert rouge_l_f1("dog", "cat") == 0.0
+    assert rouge_l_f1("", "") == 1.0
+    assert mean_rouge_l(["a b", "x"], ["a b", "y"]) == pytest.approx(0.5)
+
+
+def test_budget_one_ppl_equals_a_plain_forward(loaded, answers_file):
+    """Budget 1.0 teacher-forced token by token through kvtool's cache, in padded batches, gives the
+    PPL of one plain forward over prompt + answer per sample, computed here by hand."""
+    records = load_jsonl(answers_file)
+    report = evaluate(loaded, data=records, config=EvalConfig(methods=("elastic",), budgets=(1.0,), max_new_tokens=4, batch_size=3))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for record in records:
+            prompt = encode_prompt(loaded.tokenizer, record.prompt, 1024)
+            answer = loaded.tokenizer(record.answer, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt + answer])
+            logp = torch.log_softmax(loaded.model(input_ids=ids).logits[0].double(), dim=-1)
+            for i, token in enumerate(answer):
+                total -= float(logp[len(prompt) - 1 + i, token])
+                count += 1
+    expected = math.exp(total / count)
+    assert report.reference_tokens == count
+    assert report.references == "answers"
+    assert report.full_ppl == pytest.approx(expected, rel=1e-5)
+    (result,) = report.results
+    assert result.ppl == pytest.approx(expected, rel=1e-5)
+    assert result.rouge_l == 1.0  # same greedy output as the full cache
+    # Never below a full cache; above it by the 16-slot growth floor and slot bookkeeping, which weigh
+    # a lot on ~50-token prompts of a model with 256-byte KV slots.
+    assert 1.0 <= result.kv_fraction < 1.5
+
+
+def test_compressed_methods_cost_quality_and_save_memory(loaded, prompts_file):
+    records = load_jsonl(prompts_file)
+    report = evaluate(loaded, data=records, config=EvalConfig(methods=("local", "h2o", "elastic"), budgets=(0.2, 1.0), max_new_tokens=6))
+    by = {(r.method, r.budget): r for r in report.results}
+    assert report.references == "full-cache greedy"
+    for method in ("local", "h2o", "elastic"):
+        assert by[(method, 0.2)].kv_fraction < 0.6  # 16-slot growth floor on ~50-token prompts
+        assert by[(method, 1.0)].ppl == pytest.approx(report.full_ppl, rel=1e-5)
+        assert by[(method, 1.0)].rouge_l == 1.0
+    assert report.reference_tokens > 0
+
+
+def test_cli_json_contract_and_plot(tiny_llama_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "res" / "eval.json"
+    args = ["eval", str(tiny_llama_dir), "--data", str(prompts_file), "--budgets", "0.3,0.6",
+            "--methods", "local,elastic", "--max-new-tokens", "4", "--json", str(out)]
+    if HAS_MATPLOTLIB:
+        args += ["--plot", str(tmp_path / "eval.png")]
+    code, stdout, stderr = run(monkeypatch, capsys, *args)
+    assert code == 0, stderr
+    doc = json.loads(out.read_text())
+    assert isinstance(doc["full_ppl"], float)
+    assert [(r["method"], r["budget"]) for r in doc["results"]] == [("local", 0.3), ("elastic", 0.3), ("local", 0.6), ("elastic", 0.6)]
+    for r in doc["results"]:
+        assert set(r) == {"method", "budget", "ppl", "rouge_l", "kv_fraction"}
+    assert "PPL" in stdout and "ROUGE-L" in stdout and "elastic" in stdout
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "eval.png").stat().st_size > 0
+
+
+def test_prefixkv_without_a_profile_calibrates_first_and_says_so(tiny_llama_dir, prompts_file, monkeypatch, capsys):
+    code, stdout, stderr = run(monkeypatch, capsys, "eval", str(tiny_llama_dir), "--data", str(prompts_file),
+                               "--budgets", "0.3", "--methods", "prefixkv", "--max-new-tokens", "3")
+    assert code == 0, stderr
+    assert "calibrating on the packaged calibration prompts" in stderr
+    assert "calibrated now" in stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--data", "MISSING.jsonl"], "no such data file"),
+        (["--data", "EMPTY"], "no prompts"),
+        (["--methods", "local,snapkv"], "unknown method 'snapkv'"),
+        (["--budgets", "0.2,1.5"], "outside (0, 1]"),
+        (["--budgets", "0"], "outside (0, 1]"),
+        (["--budgets", "half"], "not a number"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--profile", "MISSING.yaml"], "MISSING.yaml"),
+    ],
+    ids=["missing-file", "empty-data", "unknown-method", "budget-high", "budget-zero", "budget-text", "new-tokens", "profile"],
+)
+def test_bad_input_is_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, args, fragment):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    args = [str(empty) if a == "EMPTY" else str(tmp_path / a) if a.startswith("MISSING") else a for a in args]
+    code, stdout, stderr = run(monkeypatch, capsys, "eval", str(tiny_llama_dir), *args)
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], stderr
+    assert "Traceback" not in stderr
