@@ -70,6 +70,8 @@ class SelectRule(ABC):
     """Chooses the `keep[b]` prompt entries each sequence keeps in one layer.
 
     importance: [B, n] attention received (None when the rule does not need it); token_valid: [B, n].
+    image_mask: [B, n] True at image-token positions of vision-language prompts (never on padding),
+    None for text-only prompts; rules that do not care about modality ignore it.
     Returns the kept prompt columns sorted by position. Protected tokens count inside `keep`.
     """
 
@@ -85,4 +87,5 @@ class SelectRule(ABC):
         *,
         sink_tokens: int,
         recent_window: int,
+        image_mask: torch.Tensor | None = None,
     ) -> Selection: ...

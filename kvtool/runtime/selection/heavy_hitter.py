@@ -20,5 +20,6 @@ class HeavyHitter(SelectRule):
         *,
         sink_tokens: int,
         recent_window: int,
+        image_mask: torch.Tensor | None = None,
     ) -> Selection:
         return select_tokens(importance, token_valid, keep, sink_tokens=0, recent_window=np.asarray(keep) // 2)

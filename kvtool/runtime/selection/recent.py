@@ -20,6 +20,7 @@ class Recent(SelectRule):
         *,
         sink_tokens: int,
         recent_window: int,
+        image_mask: torch.Tensor | None = None,
     ) -> Selection:
         # Rank by position: the top-k of "how late" is the most recent window of any size.
         lateness = (torch.cumsum(token_valid.long(), dim=1) - 1).to(torch.float32)

@@ -20,5 +20,6 @@ class TopImportance(SelectRule):
         *,
         sink_tokens: int,
         recent_window: int,
+        image_mask: torch.Tensor | None = None,
     ) -> Selection:
         return select_tokens(importance, token_valid, keep, sink_tokens=sink_tokens, recent_window=recent_window)
