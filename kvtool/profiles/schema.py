@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 SCHEMA_VERSION = 1
 
-MERGE_MODES = ("position", "none")
+MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "similarity-weighted")
 # Which prompt tokens a layer keeps, and which entry goes during generation (kvtool.runtime.selection
 # and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")

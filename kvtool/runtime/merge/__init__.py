@@ -6,8 +6,14 @@ from kvtool.errors import KvtoolError
 from kvtool.runtime.merge.base import MergeRule
 from kvtool.runtime.merge.none import NoMerge
 from kvtool.runtime.merge.position import PositionMerge
+from kvtool.runtime.merge.similarity_avg import SimilarityAvgMerge
+from kvtool.runtime.merge.similarity_pivot import SimilarityPivotMerge
+from kvtool.runtime.merge.similarity_weighted import SimilarityWeightedMerge
 
-MERGE_RULES: dict[str, type[MergeRule]] = {rule.name: rule for rule in (PositionMerge, NoMerge)}
+MERGE_RULES: dict[str, type[MergeRule]] = {
+    rule.name: rule
+    for rule in (PositionMerge, NoMerge, SimilarityAvgMerge, SimilarityPivotMerge, SimilarityWeightedMerge)
+}
 
 
 def merge_rule(name: str) -> MergeRule:
