@@ -40,6 +40,14 @@ METHODS: dict[str, Method] = {
         Method("elastic", "Elastic Cache: one ratio in every layer, importance anchors, merging", False, "importance", "position", "fixed-point"),
         Method("prefixkv", "kvtool: calibrated per-layer ratios, importance anchors, merging", True, "importance", "position", "fixed-point"),
         Method("prefixkv-evict", "PrefixKV: calibrated per-layer ratios, eviction only", True, "importance", "none", "fixed-point"),
+        Method(
+            "lookm",
+            "LOOK-M: one ratio in every layer, text-prior anchors, pivotal merging by key similarity",
+            False,
+            "text-prior",
+            "similarity-pivot",
+            "fixed-point",
+        ),
     )
 }
 
