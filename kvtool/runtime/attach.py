@@ -8,6 +8,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kvtool import __version__
 from kvtool.errors import KvtoolError
 from kvtool.profiles import (
@@ -99,6 +101,7 @@ class KvtoolHandle:
     profile: Profile
     _previous: dict = field(default_factory=dict)
     _plans: list = field(default_factory=list)
+    _hook: object = None  # the forward pre-hook that hands kvtool caches the prompt's image-token mask
     attached: bool = True
 
     def new_cache(self, *, record_importance: bool = False) -> KvtoolCache:
@@ -113,6 +116,9 @@ class KvtoolHandle:
 
     def detach(self) -> None:
         if self.attached:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
             self.model.set_attn_implementation(self._previous)
             self.attached = False
 
@@ -134,6 +140,43 @@ def _implementations(model) -> dict:
     return current
 
 
+def image_token_ids(config) -> tuple[int, ...]:
+    """The token ids a vision-language model's processor puts at image (and video frame) positions.
+
+    Read from the top-level config (`image_token_id`, LLaVA's and Gemma 3's `image_token_index`,
+    Qwen2-VL's `video_token_id`); empty for text-only models.
+    """
+    ids: list[int] = []
+    for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value not in ids:
+            ids.append(value)
+    return tuple(ids)
+
+
+def _image_mask_hook(token_ids: tuple[int, ...]):
+    """A forward pre-hook (torch's public `register_forward_pre_hook(..., with_kwargs=True)`) that hands
+    a kvtool cache the prompt's image-token mask, `input_ids` in `token_ids` and not padding, on the
+    forward that fills it. Later forwards, other caches and calls without `input_ids` pass through."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, KvtoolCache) or not cache.awaiting_prompt:
+            return None
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            cache.set_image_mask(None)
+            return None
+        mask = torch.isin(input_ids, torch.tensor(token_ids, device=input_ids.device))
+        attention_mask = kwargs.get("attention_mask")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+            mask &= attention_mask.to(torch.bool)
+        cache.set_image_mask(mask)
+        return None
+
+    return hook
+
+
 def attach(model, profile: Profile) -> KvtoolHandle:
     """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model."""
     mismatches = profile.model.mismatches(fingerprint_of(model))
@@ -153,5 +196,14 @@ def attach(model, profile: Profile) -> KvtoolHandle:
         for key in target:
             if getattr(config, key, None) is text_config:
                 target[key] = name
+        if name not in target.values():
+            raise KvtoolError(
+                f"cannot find the language model's config among {config.model_type}'s sub-configs "
+                f"({', '.join(target) or 'none'}); kvtool cannot switch its attention"
+            )
         model.set_attn_implementation(target)
-    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=layer_plans(profile))
+    hook = None
+    token_ids = image_token_ids(config)
+    if token_ids:
+        hook = model.register_forward_pre_hook(_image_mask_hook(token_ids), with_kwargs=True)
+    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=layer_plans(profile), _hook=hook)

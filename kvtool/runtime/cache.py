@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -24,6 +26,44 @@ class KvtoolCache(DynamicCache):
             if type(self.layers[i]) is not DynamicLayer:
                 raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}; only full-attention layers compress")
             self.layers[i] = CompressingLayer(plan)
+        self.image_mask: torch.Tensor | None = None  # [B, n] image-token positions of the prompt
+
+    @property
+    def awaiting_prompt(self) -> bool:
+        """True until the first forward has filled the compressing layers."""
+        return not any(layer.is_initialized for layer in self.compressing_layers().values())
+
+    def set_image_mask(self, image_mask: torch.Tensor | None) -> None:
+        """Which prompt positions are image tokens ([B, n] bool, False on padding); before the prompt.
+
+        `attach` sets it from the input ids through a forward pre-hook on the model, so a plain
+        `model.generate(**inputs, past_key_values=cache)` needs nothing more. Every compressing layer
+        hands it to its selection rule; the cache keeps it for inspection (`image_mask`).
+        """
+        self.image_mask = None if image_mask is None else image_mask.to(torch.bool)
+        for layer in self.compressing_layers().values():
+            layer.set_prompt_image(self.image_mask)
+
+    def kept_image(self) -> dict[int, np.ndarray]:
+        """Per compressing layer, the kept entries of each sequence that came from image tokens ([B])."""
+        return {i: layer.kept_image for i, layer in self.compressing_layers().items()}
+
+    # The prompt's image mask follows the batch like the layers do (beam search, contrastive search).
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_image_mask(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_image_mask(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_image_mask(lambda t: t.index_select(0, indices.to(t.device)))
+
+    def _map_image_mask(self, fn) -> None:
+        if self.image_mask is not None:
+            self.image_mask = fn(self.image_mask)
 
     def compressing_layers(self) -> dict[int, CompressingLayer]:
         return {i: layer for i, layer in enumerate(self.layers) if isinstance(layer, CompressingLayer)}

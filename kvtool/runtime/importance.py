@@ -169,6 +169,9 @@ def _chunked_attention(
     for r0 in range(0, n_q, rows):
         r1 = min(n_q, r0 + rows)
         end = offset + r1  # causal: no row of this chunk sees a key at or past `end`
+        if mask is not None and end < n_k and bool(mask[:, :, r0:r1, end:].any()):
+            # Not causal: Gemma 3's image tokens attend to the whole image block, later ones included.
+            end = n_k
         scores = torch.matmul(q[:, :, :, r0:r1], k_t[..., :end])  # [B, Hkv, g, c, end]
         if mask is not None:
             allowed = mask[:, :, r0:r1, :end]  # [B, 1, c, end]

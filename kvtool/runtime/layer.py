@@ -77,6 +77,10 @@ class CompressingLayer(DynamicLayer):
         self._prompt_rank: torch.Tensor | None = None  # [B, S] rank of compressed prompt entries, -1 elsewhere
         self.prompt_importance: torch.Tensor | None = None  # [B, n], when the plan records it
         self.prompt_valid: torch.Tensor | None = None  # [B, n] real (unpadded) prompt columns
+        # [B, n] image-token positions of the prompt, handed over by the cache before the prompt forward
+        # (vision-language models; None for text-only prompts).
+        self.prompt_image: torch.Tensor | None = None
+        self.image: torch.Tensor | None = None  # [B, S] slot holds an image entry (only when prompt_image is set)
         self._new_slot: torch.Tensor | None = None
 
     # ----- transformers' cache-layer interface -------------------------------------------------
@@ -130,7 +134,7 @@ class CompressingLayer(DynamicLayer):
             self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
 
     def _map_batch(self, fn, host_index: np.ndarray) -> None:
-        for name in ("keys", "values", "valid", "order", "frozen", "score", "_prompt_rank"):
+        for name in ("keys", "values", "valid", "order", "frozen", "score", "image", "_prompt_rank"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
@@ -141,7 +145,7 @@ class CompressingLayer(DynamicLayer):
     def physical_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score]
+        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score, self.image]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def full_bytes(self) -> int:
@@ -162,6 +166,33 @@ class CompressingLayer(DynamicLayer):
         plan = self.plan
         return (self.compresses and (plan.select.needs_importance or plan.evict.needs_scores)) or plan.record_importance
 
+    def set_prompt_image(self, image_mask: torch.Tensor | None) -> None:
+        """Which prompt positions are image tokens ([B, n] bool); before the prompt forward only."""
+        if self.is_initialized:
+            raise KvtoolError("the image-token mask must be set before the prompt is processed")
+        self.prompt_image = None if image_mask is None else image_mask.to(torch.bool)
+
+    def _image_mask(self, token_valid: torch.Tensor) -> torch.Tensor | None:
+        image = self.prompt_image
+        if image is None:
+            return None
+        if image.shape != token_valid.shape:
+            raise KvtoolError(
+                f"the image-token mask has shape {tuple(image.shape)} but the prompt reached the cache as "
+                f"{tuple(token_valid.shape)} (batch, tokens): the input ids must map 1:1 to language-model positions"
+            )
+        return image.to(token_valid.device) & token_valid  # padding is never an image token
+
+    @property
+    def kept_image(self) -> np.ndarray:
+        """Kept (valid) entries per sequence that came from image tokens of the prompt ([B] int64).
+
+        Zeros for text-only prompts and before the prompt is compressed. Generated tokens are text.
+        """
+        if self.image is None or self.valid is None:
+            return np.zeros(len(self.kept), dtype=np.int64)
+        return (self.image & self.valid).sum(dim=1).cpu().numpy().astype(np.int64)
+
     def compress_prompt(self, mask: torch.Tensor | None, importance: torch.Tensor | None) -> None:
         """Keep ceil(R * n) entries per sequence (merging the rest), given the prompt's importance."""
         keys, values = self.keys, self.values
@@ -170,6 +201,7 @@ class CompressingLayer(DynamicLayer):
             token_valid = torch.ones(bsz, n, dtype=torch.bool, device=keys.device)
         else:
             token_valid = mask[:, 0].diagonal(dim1=-2, dim2=-1).clone()
+        image_mask = self._image_mask(token_valid)
         self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
         plan = self.plan
         keep = kept_count(plan.ratio, self.tokens)
@@ -181,7 +213,12 @@ class CompressingLayer(DynamicLayer):
             frozen_rank = torch.cumsum(token_valid.long(), dim=1) - 1
         else:
             selection = plan.select.select(
-                importance, token_valid, keep, sink_tokens=plan.sink_tokens, recent_window=plan.recent_window
+                importance,
+                token_valid,
+                keep,
+                sink_tokens=plan.sink_tokens,
+                recent_window=plan.recent_window,
+                image_mask=image_mask,
             )
             keys, values = plan.merge.merge(keys, values, selection, token_valid, importance)
             index, kept_valid = selection.index, selection.valid
@@ -189,6 +226,8 @@ class CompressingLayer(DynamicLayer):
         self.keys, self.values = keys.contiguous(), values.contiguous()
         self.valid = kept_valid.clone()
         self.order = index.clone()
+        if image_mask is not None:
+            self.image = image_mask.gather(1, index) & kept_valid
         if plan.evict.needs_scores and self.compresses:
             self.score = importance.gather(1, index).masked_fill(~kept_valid, 0.0)
         self._prompt_columns = self.seen
@@ -224,6 +263,8 @@ class CompressingLayer(DynamicLayer):
         column = slot[:, None]
         self.valid.scatter_(1, column, True)
         self.frozen.scatter_(1, column, False)
+        if self.image is not None:
+            self.image.scatter_(1, column, False)
         self.order.scatter_(1, column, self.seen)
         if self.score is not None:
             self.score.scatter_(1, column, 0.0)
@@ -240,6 +281,8 @@ class CompressingLayer(DynamicLayer):
         self.valid = torch.cat([self.valid, self.valid.new_zeros(bsz, slots)], dim=1)
         self.frozen = torch.cat([self.frozen, self.frozen.new_zeros(bsz, slots)], dim=1)
         self.order = torch.cat([self.order, self.order.new_zeros(bsz, slots)], dim=1)
+        if self.image is not None:
+            self.image = torch.cat([self.image, self.image.new_zeros(bsz, slots)], dim=1)
         if self.score is not None:
             self.score = torch.cat([self.score, self.score.new_zeros(bsz, slots)], dim=1)
 

@@ -1,0 +1,169 @@
+"""Tiny random vision-language models and image prompts for the runtime tests (built offline).
+
+Each builder returns a `TinyVLM`: the model (float64, sdpa) and a `batch(lengths)` function that makes
+a left-padded batch of prompts with one image each, in the form `model.generate(**inputs)` takes:
+`input_ids` with the image placeholder already expanded to the image's token count (as processors
+do), `attention_mask`, `pixel_values` and whatever else the model needs (`image_grid_thw` and
+`mm_token_type_ids` for Qwen2-VL's mrope positions, `token_type_ids` for Gemma 3's bidirectional
+image blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
+)
+
+VOCAB = 97
+IMAGE_TOKEN = 90  # inside the vocabulary; text tokens are drawn from [3, IMAGE_TOKEN)
+IMAGE_START = 91  # Qwen2-VL's <|vision_start|>, Gemma 3's <start_of_image>
+IMAGE_END = 92
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@dataclass
+class TinyVLM:
+    name: str
+    model: torch.nn.Module
+    image_tokens: int  # language-model positions one image takes
+    pixels: Callable[[int, torch.Generator], dict]  # images -> pixel inputs for that many images
+    wrap: Callable[[torch.Tensor], torch.Tensor]  # image token block -> the block as it sits in the prompt
+
+    def prompt(self, length: int, seed: int) -> torch.Tensor:
+        """`length` text tokens with one image block after the first third (real tokens only)."""
+        g = torch.Generator().manual_seed(seed)
+        text = torch.randint(3, IMAGE_TOKEN, (length,), generator=g)
+        block = self.wrap(torch.full((self.image_tokens,), IMAGE_TOKEN))
+        cut = max(1, length // 3)
+        return torch.cat([text[:cut], block, text[cut:]])
+
+    def batch(self, lengths: list[int], seed: int = 1) -> dict[str, torch.Tensor]:
+        seqs = [self.prompt(n, seed + i) for i, n in enumerate(lengths)]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = s
+            mask[i, width - len(s):] = 1
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        # Prompt i is drawn from seed + i, text and image alike, so `batch([n], seed + i)` is
+        # exactly row i of `batch(lengths, seed)` without its padding.
+        per_prompt = [self.pixels(1, torch.Generator().manual_seed(1000 + seed + i)) for i in range(len(seqs))]
+        for key in per_prompt[0]:
+            inputs[key] = torch.cat([p[key] for p in per_prompt])
+        image = ids == IMAGE_TOKEN
+        if self.name == "qwen2-vl":
+            inputs["mm_token_type_ids"] = image.int()
+        if self.name == "gemma3":
+            inputs["token_type_ids"] = image.long()
+        return inputs
+
+
+def _finish(model: torch.nn.Module) -> torch.nn.Module:
+    model = model.to(torch.float64).eval()
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None  # random weights: never stop early, every step compares
+    return model
+
+
+def tiny_llava(seed: int = 0) -> TinyVLM:
+    """LLaVA: 2-layer CLIP tower (32-px images, 8-px patches: 16 image tokens), 3-layer GQA Llama."""
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **SPECIAL,
+    )
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, image_seq_length=16,
+                      vision_feature_layer=-1, **SPECIAL)
+    model = _finish(LlavaForConditionalGeneration(cfg))
+
+    def pixels(n: int, g: torch.Generator) -> dict:
+        return {"pixel_values": torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)}
+
+    return TinyVLM("llava", model, 16, pixels, lambda block: block)
+
+
+QWEN_PATCH, QWEN_TEMPORAL, QWEN_MERGE = 4, 2, 2
+QWEN_GRID = (1, 4, 4)  # t, h, w patches: 16 patches, 4 image tokens after 2x2 merging
+
+
+def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
+    """Qwen2-VL: 2-block vision tower (4x4 patch grid merged 2x2: 4 image tokens), 3-layer text model
+    with mrope (sections sum to head_dim / 2)."""
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3,
+        patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=QWEN_TEMPORAL,
+    )
+    text = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, **SPECIAL,
+    )
+    cfg = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 3,
+        vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, **SPECIAL,
+    )
+    model = _finish(Qwen2VLForConditionalGeneration(cfg))
+    t, h, w = QWEN_GRID
+    patch_dim = 3 * QWEN_TEMPORAL * QWEN_PATCH * QWEN_PATCH
+
+    def pixels(n: int, g: torch.Generator) -> dict:
+        return {
+            "pixel_values": torch.randn(n * t * h * w, patch_dim, generator=g, dtype=torch.float64),
+            "image_grid_thw": torch.tensor([QWEN_GRID] * n),
+        }
+
+    def wrap(block: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.tensor([IMAGE_START]), block, torch.tensor([IMAGE_END])])
+
+    return TinyVLM("qwen2-vl", model, t * h * w // QWEN_MERGE**2, pixels, wrap)
+
+
+def tiny_gemma3_vlm(seed: int = 0) -> TinyVLM:
+    """Gemma 3 with vision: 1-layer SigLIP tower (32-px images, 8-px patches, pooled to 4 image tokens),
+    4-layer text model (sliding, full, sliding, full)."""
+    torch.manual_seed(seed)
+    vision = SiglipVisionConfig(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        **SPECIAL,
+    )
+    cfg = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN,
+        boi_token_index=IMAGE_START, eoi_token_index=IMAGE_END, **SPECIAL,
+    )
+    model = _finish(Gemma3ForConditionalGeneration(cfg))
+
+    def pixels(n: int, g: torch.Generator) -> dict:
+        return {"pixel_values": torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)}
+
+    def wrap(block: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.tensor([IMAGE_START]), block, torch.tensor([IMAGE_END])])
+
+    return TinyVLM("gemma3", model, 4, pixels, wrap)
+
+
+BUILDERS = {"llava": tiny_llava, "qwen2-vl": tiny_qwen2_vl, "gemma3": tiny_gemma3_vlm}
