@@ -30,8 +30,8 @@ class KvtoolCache(DynamicCache):
 
     @property
     def awaiting_prompt(self) -> bool:
-        """True until the first forward has filled the compressing layers."""
-        return not any(layer.is_initialized for layer in self.compressing_layers().values())
+        """True until the first forward has filled the cache."""
+        return not any(layer.is_initialized for layer in self.layers)
 
     def set_image_mask(self, image_mask: torch.Tensor | None) -> None:
         """Which prompt positions are image tokens ([B, n] bool, False on padding); before the prompt.
