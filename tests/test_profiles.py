@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -133,6 +134,24 @@ def test_round_trip_is_exact(tmp_path: Path, calibration: bool, truncation_ppl: 
     if truncation_ppl:
         assert loaded.calibration is not None
         assert all(type(d) is int for d in loaded.calibration.truncation_ppl)
+
+
+def test_image_share_round_trips_and_is_absent_from_text_profiles(tmp_path: Path, profile: Profile) -> None:
+    """A calibration with images records each layer's kept image share; text profiles keep their
+    YAML as it was (no `image_share` key at all)."""
+    text_file = save_profile(profile, tmp_path / "text.yaml")
+    assert "image_share" not in text_file.read_text(encoding="utf-8")
+    shares = (0.25, 0.0, 1.0, None)
+    with_images = dataclasses.replace(
+        profile, layers=tuple(dataclasses.replace(layer, image_share=share) for layer, share in zip(profile.layers, shares))
+    )
+    path = save_profile(with_images, tmp_path / "images.yaml")
+    loaded = read_profile(path)
+    assert loaded == with_images
+    assert [layer.image_share for layer in loaded.layers] == list(shares)
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert [layer.get("image_share") for layer in document["layers"]] == list(shares)
+    assert "image_share" not in document["layers"][3]  # None is left out, not written as null
 
 
 def test_save_returns_path_and_creates_parent_dirs(tmp_path: Path, profile: Profile) -> None:
@@ -465,6 +484,11 @@ BAD_DOCUMENTS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
     ("gini-negative", _set("layers.0.gini", -0.1), ("layers[0].gini must be in [0, 1]",)),
     # other ranges
     ("ratio-std-negative", _set("layers.0.ratio_std", -0.1), ("layers[0].ratio_std must be >= 0",)),
+    # kept image share (calibrations with images)
+    ("image-share-above-one", _set("layers.0.image_share", 1.5), ("layers[0].image_share must be in [0, 1]", "1.5")),
+    ("image-share-negative", _set("layers.1.image_share", -0.1), ("layers[1].image_share must be in [0, 1]",)),
+    ("image-share-string", _set("layers.0.image_share", "half"), ("layers[0].image_share must be a number", "str 'half'")),
+    ("image-share-nan", _set("layers.2.image_share", NAN), ("layers[2].image_share must be a finite number",)),
     ("samples-zero", _set("calibration.samples", 0), ("calibration.samples must be >= 1",)),
     ("prompt-min-above-max", _set("calibration.prompt_tokens.min", 600), ("calibration.prompt_tokens.min (600) is larger",)),
     ("retention-p-zero", _set("calibration.retention_p", 0.0), ("calibration.retention_p must be in (0, 1]",)),

@@ -70,7 +70,8 @@ def rebudget(profile: Profile, budget: float, source: str = "profile") -> tuple[
         raise KvtoolError(f"{source}: stored priority curves are unusable ({exc})") from None
     layers = list(profile.layers)
     for i, ratio in zip(compress, allocation.ratios):
-        layers[i] = dataclasses.replace(layers[i], ratio=float(ratio), ratio_std=None)
+        # The spread and the kept image share were measured at the old ratios: not carried over.
+        layers[i] = dataclasses.replace(layers[i], ratio=float(ratio), ratio_std=None, image_share=None)
     calibration = profile.calibration
     if calibration is not None:
         calibration = dataclasses.replace(

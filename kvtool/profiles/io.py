@@ -163,7 +163,7 @@ def _calibration_to_dict(info: CalibrationInfo | None) -> dict[str, Any] | None:
 
 
 def _layer_to_dict(index: int, layer: LayerProfile) -> dict[str, Any]:
-    return {
+    document = {
         "layer": index,
         "ratio": layer.ratio,
         "compress": layer.compress,
@@ -171,6 +171,9 @@ def _layer_to_dict(index: int, layer: LayerProfile) -> dict[str, Any]:
         "ratio_std": layer.ratio_std,
         "priority_curve": _FlowList(_round_curve_value(v) for v in layer.priority_curve),
     }
+    if layer.image_share is not None:  # only calibrations with images have it; text profiles stay as they were
+        document["image_share"] = layer.image_share
+    return document
 
 
 def _round_curve_value(value: Any) -> Any:
@@ -239,6 +242,7 @@ def _layer_from_dict(layer: Mapping[str, Any]) -> LayerProfile:
         gini=_opt_float(layer.get("gini")),
         ratio_std=_opt_float(layer.get("ratio_std")),
         priority_curve=tuple(float(v) for v in layer.get("priority_curve") or ()),
+        image_share=_opt_float(layer.get("image_share")),
     )
 
 
@@ -259,7 +263,7 @@ _CALIBRATION_REQUIRED = ("dataset_hash", "samples", "prompt_tokens")
 _CALIBRATION_OPTIONAL = (
     "retention_p", "truncation_ppl", "ppl_full", "ppl_compressed", "seed", "seconds", "curve_importance",
 )
-_LAYER_OPTIONAL = ("compress", "gini", "ratio_std", "priority_curve")
+_LAYER_OPTIONAL = ("compress", "gini", "ratio_std", "priority_curve", "image_share")
 
 
 class _Node:
@@ -475,6 +479,8 @@ def _check_layer(layer: _Node, index: int) -> None:
         layer.child("gini").optional_number(0.0, 1.0)
     if "ratio_std" in value:
         layer.child("ratio_std").optional_number(0.0)
+    if "image_share" in value:
+        layer.child("image_share").optional_number(0.0, 1.0)
     if value.get("priority_curve") is not None:
         _check_curve(layer.child("priority_curve"))
 

@@ -67,6 +67,9 @@ class LayerProfile:
     ratio_std: float | None = None  # spread of the ratio across calibration samples
     # Mean cumulative-priority curve P_l(o) sampled at o = i/(len-1); empty when not calibrated.
     priority_curve: tuple[float, ...] = ()
+    # Mean share of the kept prompt entries that are image tokens at this ratio, over the calibration
+    # prompts with images; None for text-only calibrations and layers kvtool leaves alone.
+    image_share: float | None = None
 
 
 @dataclass(frozen=True)
