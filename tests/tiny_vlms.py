@@ -167,3 +167,37 @@ def tiny_gemma3_vlm(seed: int = 0) -> TinyVLM:
 
 
 BUILDERS = {"llava": tiny_llava, "qwen2-vl": tiny_qwen2_vl, "gemma3": tiny_gemma3_vlm}
+
+
+def save_tiny_llava(directory, tokenizer, seed: int = 0):
+    """A tiny random LLaVA saved as a normal model directory with its processor, all built offline.
+
+    `tokenizer` must have an `<image>` special token. The processor's CLIP image processor resizes and
+    crops to the tower's 32 px, and `patch_size` 8 with one extra (CLS) token under the "default"
+    feature strategy (which drops it) expands each `<image>` to the 16 tokens the model fills.
+    Float32, as `load_model` loads it. Returns the directory.
+    """
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **special,
+    )
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token, image_seq_length=16,
+                      vision_feature_layer=-1, vision_feature_select_strategy="default", **special)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory

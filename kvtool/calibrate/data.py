@@ -1,9 +1,11 @@
 """Calibration prompts: JSONL loading, seeded sample selection and the dataset hash.
 
 A data file has one JSON object per line, `{"prompt": "...", "answer": "..."}`, the answer optional
-(without one, calibration scores the model's own full-cache continuation). Other keys are allowed
-and ignored, so a file can carry its own metadata (the shipped sets record their sources). Blank
-lines are skipped. Every problem is a one-line KvtoolError naming the file and, where there is
+(without one, calibration scores the model's own full-cache continuation). A line may carry
+`"images": ["a.png", ...]` for a vision-language model: paths relative to the data file's directory,
+checked to exist here and opened when the prompt is encoded (`kvtool.models.images`). Other keys are
+allowed and ignored, so a file can carry its own metadata (the shipped sets record their sources).
+Blank lines are skipped. Every problem is a one-line KvtoolError naming the file and, where there is
 one, the line.
 """
 
@@ -30,6 +32,8 @@ class Record:
     prompt: str
     answer: str | None = None
     where: str = ""
+    # Absolute image paths, in the order the prompt's image placeholders take them.
+    images: tuple[str, ...] = ()
 
     def describe(self, index: int) -> str:
         """`sample 3 (calibration.jsonl line 17)`: how messages name a selected sample."""
@@ -61,8 +65,9 @@ def load_jsonl(path: str | Path | None = None) -> tuple[Record, ...]:
         raise KvtoolError(f"{name}: not UTF-8 text") from None
     except OSError as exc:
         raise KvtoolError(f"{name}: cannot read ({exc.strerror or exc})") from exc
+    base = source.resolve().parent
     records = [
-        _parse_line(line, f"{name} line {number}")
+        _parse_line(line, f"{name} line {number}", base)
         for number, line in enumerate(text.splitlines(), start=1)
         if line.strip()
     ]
@@ -71,7 +76,7 @@ def load_jsonl(path: str | Path | None = None) -> tuple[Record, ...]:
     return tuple(records)
 
 
-def _parse_line(line: str, where: str) -> Record:
+def _parse_line(line: str, where: str, base: Path) -> Record:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -91,8 +96,30 @@ def _parse_line(line: str, where: str) -> Record:
     if answer is not None and not answer.strip():
         raise KvtoolError(f"{where}: \"answer\" is empty (leave it out to score the model's own continuation)")
     return Record(
-        prompt=_normalize(prompt), answer=None if answer is None else _normalize(answer), where=where
+        prompt=_normalize(prompt),
+        answer=None if answer is None else _normalize(answer),
+        where=where,
+        images=_parse_images(item.get("images"), where, base),
     )
+
+
+def _parse_images(value: object, where: str, base: Path) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        got = type(value).__name__ if not isinstance(value, list) else "a list with non-strings"
+        raise KvtoolError(f"{where}: \"images\" must be a list of image paths (strings), got {got}")
+    paths = []
+    for entry in value:
+        if not entry.strip():
+            raise KvtoolError(f"{where}: \"images\" has an empty path")
+        path = (base / Path(entry).expanduser()).resolve()
+        if not path.exists():
+            raise KvtoolError(f"{where}: image {entry} does not exist (looked for {path})")
+        if not path.is_file():
+            raise KvtoolError(f"{where}: image {entry} is not a file ({path})")
+        paths.append(str(path))
+    return tuple(paths)
 
 
 def select_samples(records: Sequence[Record], samples: int, seed: int) -> tuple[Record, ...]:
@@ -107,11 +134,26 @@ def select_samples(records: Sequence[Record], samples: int, seed: int) -> tuple[
 
 
 def dataset_hash(records: Sequence[Record]) -> str:
-    """sha256 over the selected records' normalized prompt and answer, in order."""
+    """sha256 over the selected records' normalized prompt and answer, in order, and the content
+    (not the path) of each record's images where it has any."""
     canonical = json.dumps(
-        [{"prompt": r.prompt, "answer": r.answer} for r in records],
+        [_hashed(r) for r in records],
         ensure_ascii=False,
         sort_keys=True,
         separators=(",", ":"),
     )
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _hashed(record: Record) -> dict:
+    item: dict = {"prompt": record.prompt, "answer": record.answer}
+    if record.images:  # text-only records hash as they always did
+        item["images"] = [_file_sha256(path) for path in record.images]
+    return item
+
+
+def _file_sha256(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise KvtoolError(f"image {path}: cannot read ({exc.strerror or exc})") from None

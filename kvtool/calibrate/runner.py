@@ -11,6 +11,7 @@ prompt forward) and teacher-forces the references through copies of it, one per 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import os
 import tempfile
@@ -23,11 +24,18 @@ from typing import Any
 import numpy as np
 
 from kvtool.calibrate.allocation import Allocation, solve_from_samples
-from kvtool.calibrate.batches import Batch, encode_prompt, make_batches
+from kvtool.calibrate.batches import Batch, Encoded, encode_prompt, make_batches
 from kvtool.calibrate.budget import check_budget, floor_for, solve_ratios, stored_p
 from kvtool.calibrate.data import Record, dataset_hash, load_jsonl, select_samples
 from kvtool.calibrate.lorenz import mean_curve
-from kvtool.calibrate.statistics import ImportanceStats, LayerImportance, batch_stats, combine
+from kvtool.calibrate.statistics import (
+    ImportanceStats,
+    LayerImportance,
+    PromptImages,
+    batch_stats,
+    combine,
+    kept_image_share,
+)
 from kvtool.calibrate.truncation import (
     DEFAULT_CANDIDATES,
     REFERENCE_TOKENS,
@@ -125,19 +133,54 @@ def _validate_options(samples: int, max_prompt_tokens: int, method: MethodSettin
         raise KvtoolError(f"truncation distances must be integers >= 0, got {list(candidates)}")
 
 
-def encode_samples(tokenizer: Any, samples: Sequence[Record], max_tokens: int, method: MethodSettings) -> list[list[int]]:
+def encode_samples(
+    tokenizer: Any,
+    samples: Sequence[Record],
+    max_tokens: int,
+    method: MethodSettings,
+    *,
+    processor: Any = None,
+    model: Any = None,
+    name: str = "the model",
+) -> list[Encoded]:
+    """Each sample's prompt as the model sees it; samples with images go through `processor`.
+
+    Text prompts over `max_tokens` are cut in the middle; prompts with images are not cut (an
+    image's tokens cannot be split) and are an error instead.
+    """
     protected = method.sink_tokens + method.recent_window
     encoded = []
     for index, record in enumerate(samples):
-        ids = encode_prompt(tokenizer, record.prompt, max_tokens)
+        if record.images:
+            item = _encode_with_images(processor, model, name, record, index, max_tokens)
+        else:
+            item = Encoded(encode_prompt(tokenizer, record.prompt, max_tokens))
+        ids = item.ids
         if len(ids) <= protected:
             raise KvtoolError(
                 f"{record.describe(index)} is {len(ids)} tokens long as the model sees it, not more than the "
                 f"{protected} protected tokens ({method.sink_tokens} sink + {method.recent_window} recent) that "
                 "are always kept: nothing to compress; use longer prompts"
             )
-        encoded.append(ids)
+        encoded.append(item)
     return encoded
+
+
+def _encode_with_images(processor: Any, model: Any, name: str, record: Record, index: int, max_tokens: int) -> Encoded:
+    from kvtool.models.images import encode_image_prompt, no_image_support
+
+    where = record.where or record.describe(index)
+    if processor is None:
+        if model is None:
+            raise KvtoolError(f"{where}: has \"images\" but no processor was given to encode them")
+        raise no_image_support(model.config, name, where)
+    ids, extras = encode_image_prompt(processor, record.prompt, record.images, where)
+    if len(ids) > max_tokens:
+        raise KvtoolError(
+            f"{where}: is {len(ids)} tokens with its images, over the {max_tokens}-token prompt limit; prompts with "
+            "images are not cut (an image's tokens cannot be split): raise --max-prompt-tokens or shorten the prompt"
+        )
+    return Encoded(ids, extras)
 
 
 def encode_answers(tokenizer: Any, samples: Sequence[Record], rows: Sequence[int]) -> list[list[int] | None]:
@@ -149,6 +192,11 @@ def encode_answers(tokenizer: Any, samples: Sequence[Record], rows: Sequence[int
 
 def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
     device = model.device
+    # Pixel inputs (vision-language prompts) in the model's dtype; index tensors as they are.
+    extras = {
+        key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
+        for key, value in batch.extras.items()
+    }
     # Only the last position's logits are needed; the full [B, W, vocab] tensor is most of a
     # small model's prompt cost.
     out = model(
@@ -158,6 +206,7 @@ def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **extras,
     )
     return out.logits[:, -1]
 
@@ -241,8 +290,11 @@ def calibrate(
 
     loaded = _load(model)
     tokenizer = loaded.tokenizer
-    encoded = encode_samples(tokenizer, chosen, max_prompt_tokens, method)
-    batches = make_batches(encoded, batch_size, tokenizer.pad_token_id)
+    encoded = encode_samples(
+        tokenizer, chosen, max_prompt_tokens, method,
+        processor=getattr(loaded, "processor", None), model=loaded.model, name=loaded.name,
+    )
+    batches = make_batches(encoded, batch_size, tokenizer.pad_token_id, model=loaded.model)
     answers = [encode_answers(tokenizer, chosen, batch.rows) for batch in batches]
     measure = _Measurement(loaded.model, tokenizer, method, reference_tokens, report, curve_importance == "mean")
 
@@ -256,7 +308,8 @@ def calibrate(
     per_sample = np.stack([solve_ratios(sample, budget).ratios for sample in stats.curves])
 
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
-    profile = _build_profile(fingerprint, budget, method, stats, allocation, spread)
+    image_share = kept_image_share(measure.images, dict(zip(stats.layers, allocation.ratios)), method)
+    profile = _build_profile(fingerprint, budget, method, stats, allocation, spread, image_share)
     truncation = None
     if candidates:
         truncation = measure.truncation_pass(profile, states, candidates)
@@ -307,6 +360,8 @@ class _Measurement:
     reference_tokens: int
     progress: Progress
     per_row_mean: bool = True
+    # Prompt importance and image mask of each batch with image tokens (for the kept image share).
+    images: list[PromptImages] = dataclasses.field(default_factory=list)
 
     def full_pass(
         self, batches: list[Batch], answers: list[list[list[int] | None]], *, with_references: bool
@@ -327,6 +382,8 @@ class _Measurement:
                     cache = handle.new_cache(record_importance=True)
                     first_logits = prompt_forward(self.model, batch, cache)
                     parts.append((batch.rows, self._stats(cache)))
+                    if cache.image_mask is not None and bool(cache.image_mask.any()):
+                        self.images.append(PromptImages.of(cache))
                     importance.step(len(batch.rows))
                     if not with_references:
                         continue
@@ -384,6 +441,7 @@ def _build_profile(
     stats: ImportanceStats,
     allocation: Allocation,
     spread: np.ndarray,
+    image_share: dict[int, float] | None = None,
 ) -> Profile:
     from kvtool import __version__
 
@@ -404,6 +462,7 @@ def _build_profile(
                 gini=float(gini[j]),
                 ratio_std=float(spread[j]),
                 priority_curve=tuple(float(v) for v in curves[j]),
+                image_share=None if image_share is None else image_share[index],
             )
         )
     return Profile(

@@ -200,8 +200,12 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
     importance is what `target`'s layers would compute, so each compressing layer is handed both
     and compresses as in that forward. This saves calibration a second forward over every
     prompt; a test checks the result against a real compressed prompt forward. Layers kvtool
-    leaves alone (sliding windows) are copied as they are.
+    leaves alone (sliding windows) are copied as they are. The prompt's image-token mask (set on
+    `full` by the forward of a vision-language model) goes along, so rules such as `text-prior`
+    and the kept-image counts see the image positions as in a real forward.
     """
+    if getattr(full, "image_mask", None) is not None:
+        target.set_image_mask(full.image_mask)
     mask = prompt_mask(attention_mask)
     compressing = target.compressing_layers()
     for index, source in enumerate(full.layers):

@@ -67,7 +67,10 @@ def calibrate_command(
     ],
     budget: Annotated[float, typer.Option("--budget", help="Fraction of KV entries KEPT, in (0, 1]; 0.2 evicts 80%.")],
     data: Annotated[
-        Path | None, typer.Option("--data", help='JSONL prompts, one {"prompt": ..., "answer": optional} per line.')
+        Path | None, typer.Option(
+            "--data",
+            help='JSONL prompts, one {"prompt": ..., "answer": optional, "images": optional list of paths} per line.',
+        )
     ] = None,
     samples: Annotated[int, typer.Option("--samples", help="Prompts drawn from the data.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draw.")] = 0,

@@ -17,6 +17,7 @@ from kvtool.profiles import Profile, read_profile
 
 _PROFILE_SUFFIXES = (".yaml", ".yml")
 _MISSING = "—"
+_IMAGE_BAR_WIDTH = 12
 
 
 def is_profile_path(target: str) -> bool:
@@ -24,17 +25,30 @@ def is_profile_path(target: str) -> bool:
     return Path(target).suffix.lower() in _PROFILE_SUFFIXES and not Path(target).is_dir()
 
 
+def has_image_share(profile: Profile) -> bool:
+    """Whether the calibration had images (some layer records its kept image share)."""
+    return any(layer.image_share is not None for layer in profile.layers)
+
+
 def gini_json(profile: Profile) -> dict[str, Any]:
-    """The `--json` contract other tools read: keep these keys stable."""
+    """The `--json` contract other tools read: keep these keys stable.
+
+    Calibrations with images add `image_share` to every layer (null where kvtool leaves the layer
+    alone): the mean share of the layer's kept prompt entries that are image tokens.
+    """
     info = profile.calibration
+    images = has_image_share(profile)
+    layers = []
+    for i, layer in enumerate(profile.layers):
+        entry = {"layer": i, "ratio": layer.ratio, "gini": layer.gini, "ratio_std": layer.ratio_std}
+        if images:
+            entry["image_share"] = layer.image_share
+        layers.append(entry)
     return {
         "budget": profile.budget,
         "p": info.retention_p if info is not None else None,
         "truncation_distance": profile.method.truncation_distance,
-        "layers": [
-            {"layer": i, "ratio": layer.ratio, "gini": layer.gini, "ratio_std": layer.ratio_std}
-            for i, layer in enumerate(profile.layers)
-        ],
+        "layers": layers,
     }
 
 
@@ -46,19 +60,26 @@ def gini_table(profile: Profile, title: str) -> Table:
     table.add_column("Kept", justify="right")
     table.add_column("", no_wrap=True)
     table.add_column("Spread", justify="right")
+    images = has_image_share(profile)
+    # With the image column the bars are shorter, so the table still fits 80 columns.
+    bar = (_IMAGE_BAR_WIDTH,) if images else ()
+    if images:
+        table.add_column("Image", justify="right", no_wrap=True)
     for index, layer in enumerate(profile.layers):
         gini = _MISSING if layer.gini is None else f"{layer.gini:.3f}"
-        gini_bar = "" if layer.gini is None else ratio_bar(layer.gini)
+        gini_bar = "" if layer.gini is None else ratio_bar(layer.gini, *bar)
         spread = _MISSING if layer.ratio_std is None else f"±{layer.ratio_std:.3f}"
-        table.add_row(
+        cells = [
             str(index),
             gini,
             Text(gini_bar, style="magenta"),
             f"{layer.ratio:.3f}",
-            Text(ratio_bar(layer.ratio), style="cyan"),
+            Text(ratio_bar(layer.ratio, *bar), style="cyan"),
             spread,
-            style=None if layer.compress else "dim",
-        )
+        ]
+        if images:
+            cells.append(_MISSING if layer.image_share is None else f"{layer.image_share:.1%}")
+        table.add_row(*cells, style=None if layer.compress else "dim")
     return table
 
 
@@ -70,6 +91,8 @@ def _caption(profile: Profile) -> str:
     parts.append(f"truncation distance {profile.method.truncation_distance}")
     if info is not None:
         parts.append(f"{info.samples} samples")
+    if has_image_share(profile):
+        parts.append("Image = share of kept prompt entries that are image tokens (prompts with images)")
     return " · ".join(parts)
 
 

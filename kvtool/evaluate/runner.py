@@ -181,8 +181,11 @@ def evaluate(
     bases, source = _base_profiles(loaded, config, profile, report, say)
     settings = next(iter(bases.values())).method if bases else MethodSettings()
 
-    encoded = encode_samples(loaded.tokenizer, records, config.max_prompt_tokens, settings)
-    batches = make_batches(encoded, config.batch_size, loaded.tokenizer.pad_token_id)
+    encoded = encode_samples(
+        loaded.tokenizer, records, config.max_prompt_tokens, settings,
+        processor=getattr(loaded, "processor", None), model=loaded.model, name=loaded.name,
+    )
+    batches = make_batches(encoded, config.batch_size, loaded.tokenizer.pad_token_id, model=loaded.model)
     answers = [encode_answers(loaded.tokenizer, records, batch.rows) for batch in batches]
     run = _Evaluation(loaded, config, report)
     results = []

@@ -1,4 +1,10 @@
-"""Load a resolved model + tokenizer ready for batched generation (eval, sdpa, left padding)."""
+"""Load a resolved model + tokenizer ready for batched generation (eval, sdpa, left padding).
+
+A directory (or cached hub id) whose config is a vision-language one (a `vision_config` and a class
+`AutoModelForImageTextToText` knows) loads as that model, with the processor saved beside it when
+`AutoProcessor` finds one offline (`LoadedModel.processor`; None for text models and for a VLM saved
+without its processor, which then takes text prompts only). Text models load exactly as before.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ class LoadedModel:
     tokenizer: Any
     name: str
     source: str
+    # The processor of a vision-language model (images -> pixel values, image placeholders expanded);
+    # its tokenizer is `tokenizer`. None for text-only models.
+    processor: Any = None
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -70,20 +79,50 @@ def stop_at_end_of_turn(model: Any, tokenizer: Any) -> None:
         model.generation_config.eos_token_id = [*eos_ids, end_of_turn]
 
 
-def _load_from(where: str, source: ModelSource, dtype: torch.dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def is_vision_language(config: Any) -> bool:
+    """A config `AutoModelForImageTextToText` builds a model for, with a vision tower."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return getattr(config, "vision_config", None) is not None and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+
+def _load_from(where: str, source: ModelSource, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     options: dict[str, Any] = {"local_files_only": True}
     if source.hub_cache is not None:
         options["cache_dir"] = source.hub_cache
+    processor = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **options)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
+        vision = source.kind != "gguf" and is_vision_language(AutoConfig.from_pretrained(where, **options))
+        if vision:
+            from transformers import AutoModelForImageTextToText
+
+            processor = _processor(where, options)
+            tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(where, **options)
+            model = AutoModelForImageTextToText.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(where, **options)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
     except (OSError, ValueError, KeyError) as exc:
         # transformers raises these for unreadable/unsupported checkpoints; keep it to one line.
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvtoolError(f"cannot load model '{source.name}' from {where}: {first_line}") from exc
-    return model, tokenizer
+    return model, tokenizer, processor
+
+
+def _processor(where: str, options: dict[str, Any]) -> Any:
+    """The directory's processor, or None when it has none (or only a tokenizer)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(where, **options)
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        return None
+    # Without a processor config AutoProcessor falls back to the bare tokenizer: that is no processor.
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+        return None
+    return processor
 
 
 def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None) -> LoadedModel:
@@ -104,10 +143,14 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
     else:
         where = source.location
         description = f"directory {Path(source.location).resolve()}"
-    model, tokenizer = _load_from(where, source, torch_dtype)
+    model, tokenizer, processor = _load_from(where, source, torch_dtype)
     model.eval()
     stop_at_end_of_turn(model, tokenizer)
-    return LoadedModel(model=model, tokenizer=prepare_tokenizer(tokenizer), name=source.name, source=description)
+    if processor is not None:
+        description += f" (vision-language, processor {type(processor).__name__})"
+    return LoadedModel(
+        model=model, tokenizer=prepare_tokenizer(tokenizer), name=source.name, source=description, processor=processor
+    )
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
