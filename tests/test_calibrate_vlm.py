@@ -261,6 +261,7 @@ def test_calibrate_inspect_and_eval_with_images(llava_dir, image_data, tmp_path,
     doc = json.loads(results.read_text())
     assert [(r["method"], r["budget"]) for r in doc["results"]] == [("elastic", 0.5), ("lookm", 0.5)]
     assert doc["samples"] == 3 and all(np.isfinite(r["ppl"]) for r in doc["results"])
+    assert "no-op" not in stderr  # the prompts have images: the text prior ranks them
 
 
 def test_text_calibration_has_no_image_share(tiny_llama_dir, tmp_path, monkeypatch, capsys) -> None:
@@ -275,6 +276,17 @@ def test_text_calibration_has_no_image_share(tiny_llama_dir, tmp_path, monkeypat
     assert code == 0 and all("image_share" not in layer for layer in json.loads(stdout)["layers"])
     code, stdout, _ = run(monkeypatch, capsys, "inspect", "gini", str(out))
     assert code == 0 and "Image" not in stdout
+
+
+def test_lookm_on_a_text_model_says_the_prior_is_a_no_op(tiny_llama_dir, tmp_path, monkeypatch, capsys) -> None:
+    rng = random.Random(5)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"prompt": words(rng, 40)} for _ in range(2)])
+    code, stdout, stderr = run(monkeypatch, capsys, "eval", str(tiny_llama_dir), "--data", str(data), "--budgets", "0.5",
+                               "--methods", "elastic,lookm", "--max-new-tokens", "3")
+    assert code == 0, stderr
+    notes = [line for line in stderr.splitlines() if "no-op" in line]
+    assert len(notes) == 1 and "text-only model" in notes[0] and "similarity-pivot" in notes[0]
+    assert "lookm" in stdout
 
 
 # ----- bad input ---------------------------------------------------------------------------------

@@ -51,7 +51,11 @@ def eval_command(
     model: Annotated[str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")],
     data: Annotated[
         Path | None,
-        typer.Option("--data", help='JSONL prompts {"prompt": ..., "answer": optional}; default: the packaged evaluation prompts.'),
+        typer.Option(
+            "--data",
+            help='JSONL prompts {"prompt": ..., "answer": optional, "images": optional list of paths}; '
+            "default: the packaged evaluation prompts.",
+        ),
     ] = None,
     profile: Annotated[
         Path | None,
@@ -60,7 +64,11 @@ def eval_command(
     budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated kept fractions.")] = "0.1,0.2,0.5",
     methods: Annotated[
         str,
-        typer.Option("--methods", help="Comma-separated: local, h2o, elastic, prefixkv, prefixkv-evict."),
+        typer.Option(
+            "--methods",
+            help="Comma-separated: local, h2o, elastic, prefixkv, prefixkv-evict, lookm "
+            "(LOOK-M: text-prior anchors + similarity-pivot merging; the prior needs image tokens).",
+        ),
     ] = "local,h2o,elastic,prefixkv",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per prompt (ROUGE-L; PPL reference length).")] = 64,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per left-padded batch.")] = 4,

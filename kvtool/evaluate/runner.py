@@ -181,6 +181,7 @@ def evaluate(
     bases, source = _base_profiles(loaded, config, profile, report, say)
     settings = next(iter(bases.values())).method if bases else MethodSettings()
 
+    _note_text_prior(loaded, config, records, say)
     encoded = encode_samples(
         loaded.tokenizer, records, config.max_prompt_tokens, settings,
         processor=getattr(loaded, "processor", None), model=loaded.model, name=loaded.name,
@@ -213,6 +214,27 @@ def evaluate(
         references=kind, full_ppl=full_nll.ppl(), reference_tokens=full_nll.count, profile_source=source,
         results=tuple(results), seconds=time.perf_counter() - started,
     )
+
+
+def _note_text_prior(loaded: Any, config: EvalConfig, records: Sequence[Record], say: Notify) -> None:
+    """Say so when a text-prior method runs where no prompt has image tokens (the prior then ranks
+    nothing differently: the method is importance anchors + its merging)."""
+    from kvtool.runtime.attach import image_token_ids
+
+    names = [m for m in config.methods if get_method(m).selection == "text-prior"]
+    if not names or any(r.images for r in records):
+        return
+    why = (
+        f"{loaded.name} is a text-only model"
+        if not image_token_ids(loaded.model.config)
+        else "no evaluation prompt has images"
+    )
+    for name in names:
+        method = get_method(name)
+        say(
+            f"note: {name}'s text prior is a no-op here ({why}: no image tokens), so {name} = importance "
+            f"anchors + {method.merge} merging, the same ratio in every layer"
+        )
 
 
 def _base_profiles(loaded: Any, config: EvalConfig, profile: str | Path | None, progress: Progress, say: Notify) -> tuple[dict[float, Profile], str]:
