@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -105,37 +106,37 @@ def combine(parts: Sequence[tuple[Sequence[int], ImportanceStats]], samples: int
 class PromptImages:
     """One batch's recorded prompt state where it has image tokens: what the kept image share needs."""
 
-    importance: dict[int, "object"]  # layer -> [B, n] torch importance, as the runtime ranks by it
-    valid: "object"  # [B, n] torch bool, real prompt columns
-    image: "object"  # [B, n] torch bool, image-token columns (never padding)
+    importance: dict[int, Any]  # layer -> [B, n] torch importance, exactly what the runtime ranks by
+    valid: Any  # [B, n] torch bool, real prompt columns
+    image: Any  # [B, n] torch bool, image-token columns (never padding)
 
     @classmethod
-    def of(cls, cache: "object") -> "PromptImages":
+    def of(cls, cache: Any) -> PromptImages:
         """From a budget-1.0 kvtool cache right after its prompt forward, importance recorded."""
-        layers = cache.compressing_layers()  # type: ignore[attr-defined]
+        layers = cache.compressing_layers()
         first = next(iter(layers.values()))
+        valid = first.prompt_valid.detach().cpu()
         return cls(
             importance={index: layer.prompt_importance.detach().cpu() for index, layer in layers.items()},
-            valid=first.prompt_valid.detach().cpu(),
-            image=cache.image_mask.detach().cpu(),  # type: ignore[attr-defined]
+            valid=valid,
+            image=cache.image_mask.detach().cpu() & valid,
         )
 
 
-def kept_image_share(batches: Sequence[PromptImages], ratios: dict[int, float], method: "object") -> dict[int, float] | None:
+def kept_image_share(batches: Sequence[PromptImages], ratios: dict[int, float], method: Any) -> dict[int, float] | None:
     """Per compressing layer, the mean share of kept prompt entries that are image tokens at `ratios`.
 
-    The entries are the ones the runtime keeps: `method`'s selection rule on the recorded importance
-    with the image mask (the text prior sees it), `ceil(ratio * n)` per prompt. Averaged over the
-    prompts that have image tokens; None when none has (text-only calibration).
+    The entries are the ones the runtime keeps: `method`'s selection rule (a MethodSettings) on the
+    recorded importance with the image mask (the text prior sees it), `ceil(ratio * n)` per prompt;
+    merging changes what a kept entry holds, not which entries stay. Averaged over the prompts that
+    have image tokens; None when none has (text-only calibration).
     """
-    import torch
-
     from kvtool.runtime.selection import kept_count, select_rule
 
-    rule = select_rule(method.selection)  # type: ignore[attr-defined]
+    rule = select_rule(method.selection)
     shares: dict[int, list[float]] = {index: [] for index in ratios}
     for batch in batches:
-        valid, image = batch.valid, batch.image & batch.valid
+        valid, image = batch.valid, batch.image
         rows = image.any(dim=1).numpy()
         tokens = valid.sum(dim=1).numpy()
         for index, ratio in ratios.items():
@@ -145,8 +146,7 @@ def kept_image_share(batches: Sequence[PromptImages], ratios: dict[int, float], 
             else:
                 selection = rule.select(
                     batch.importance[index], valid, keep,
-                    sink_tokens=method.sink_tokens, recent_window=method.recent_window,  # type: ignore[attr-defined]
-                    image_mask=image,
+                    sink_tokens=method.sink_tokens, recent_window=method.recent_window, image_mask=image,
                 )
                 kept_image = (image.gather(1, selection.index) & selection.valid).sum(dim=1).numpy()
             share = kept_image / np.maximum(keep, 1)
