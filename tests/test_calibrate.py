@@ -435,3 +435,22 @@ def test_profile_with_unknown_curve_importance_is_refused(result, tmp_path: Path
     path.write_text(text)
     with pytest.raises(KvtoolError, match=r"calibration.curve_importance must be one of mean, sum"):
         read_profile(path)
+
+
+def test_merge_mode_is_chosen_with_d_by_calibration_ppl(tiny: LoadedModel, result) -> None:
+    """The default search tries position merging and pure eviction; the lower PPL wins, and each
+    mode's PPL equals a search restricted to that mode alone."""
+    assert set(result.merge_ppl) == {"position", "none"}
+    best = min(result.merge_ppl, key=result.merge_ppl.get)
+    assert result.profile.method.merge == best
+    assert result.truncation.ppl_compressed == result.merge_ppl[best]
+    assert result.profile.calibration.ppl_compressed == result.merge_ppl[best]
+    for mode in ("position", "none"):
+        alone = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, merge_modes=(mode,), **FAST)
+        assert alone.profile.method.merge == mode
+        assert alone.merge_ppl == {mode: pytest.approx(result.merge_ppl[mode], rel=1e-12)}
+
+
+def test_unknown_merge_mode_is_refused(tiny: LoadedModel) -> None:
+    with pytest.raises(KvtoolError, match="unknown merge mode 'blend'"):
+        calibrate(tiny, 0.3, data=word_prompts(4), samples=3, merge_modes=("position", "blend"))

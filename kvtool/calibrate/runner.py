@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from kvtool.errors import KvtoolError
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import (
     CURVE_IMPORTANCE,
+    MERGE_MODES,
     CalibrationInfo,
     LayerProfile,
     MethodSettings,
@@ -70,6 +71,8 @@ DEFAULT_SAMPLES = 10
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 # All default samples in one batch: per-token steps cost about the same for 1 row as for 10.
 DEFAULT_BATCH_SIZE = 10
+# Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
+DEFAULT_MERGE_MODES = ("position", "none")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class CalibrationResult:
     samples: tuple[Record, ...]
     seconds: float
     path: Path | None
+    # Calibration PPL at the best D of every merge mode tried; the lowest one is the profile's.
+    merge_ppl: dict[str, float] = field(default_factory=dict)
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:
@@ -262,6 +267,7 @@ def calibrate(
     batch_size: int = DEFAULT_BATCH_SIZE,
     curve_importance: str = "mean",
     uniform_ratios: bool = False,
+    merge_modes: Sequence[str] = DEFAULT_MERGE_MODES,
     progress: Progress | None = None,
 ) -> CalibrationResult:
     """Calibrate `model` (a spec such as "smollm2", or a LoadedModel) for `budget` (kept fraction).
@@ -273,12 +279,18 @@ def calibrate(
     recorded `calibration.seconds`. `curve_importance` picks the per-token score the Lorenz
     curves are built from ("mean": column sum per row that sees the token, the default; "sum").
     `uniform_ratios` keeps the budget as every layer's ratio (the Elastic Cache baseline).
+    `merge_modes` are tried together with every D and the lowest calibration PPL picks the
+    profile's merge mode (an empty list, or no D search, keeps `method.merge`).
     """
     started = time.perf_counter()
     budget = check_budget(budget)
     method = method or MethodSettings()
     candidates = tuple(candidates)
+    merge_modes = tuple(dict.fromkeys(merge_modes)) or (method.merge,)
     _validate_options(samples, max_prompt_tokens, method, candidates)
+    unknown = [m for m in merge_modes if m not in MERGE_MODES]
+    if unknown:
+        raise KvtoolError(f"unknown merge mode {unknown[0]!r} (known: {', '.join(MERGE_MODES)})")
     if curve_importance not in CURVE_IMPORTANCE:
         raise KvtoolError(f"curve importance must be one of {', '.join(CURVE_IMPORTANCE)}, got {curve_importance!r}")
     if reference_tokens < 1 or batch_size < 1:
@@ -311,8 +323,18 @@ def calibrate(
     image_share = kept_image_share(measure.images, dict(zip(stats.layers, allocation.ratios)), method)
     profile = _build_profile(fingerprint, budget, method, stats, allocation, spread, image_share)
     truncation = None
+    merge_ppl: dict[str, float] = {}
     if candidates:
-        truncation = measure.truncation_pass(profile, states, candidates)
+        tried = {}
+        for mode in merge_modes:
+            trial = dataclasses.replace(profile, method=dataclasses.replace(profile.method, merge=mode))
+            stage = STAGE_TRUNCATION if len(merge_modes) == 1 else f"{STAGE_TRUNCATION} ({mode})"
+            tried[mode] = measure.truncation_pass(trial, states, candidates, stage=stage)
+        merge_ppl = {mode: result.ppl_compressed for mode, result in tried.items()}
+        # Ties (nothing ever merged) keep the requested mode.
+        best = min(tried, key=lambda mode: (merge_ppl[mode], mode != method.merge))
+        truncation = tried[best]
+        profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, merge=best))
         profile = _with_truncation(profile, truncation)
     seconds = time.perf_counter() - started
     profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds, curve_importance)
@@ -327,6 +349,7 @@ def calibrate(
         samples=chosen,
         seconds=seconds,
         path=dest,
+        merge_ppl=merge_ppl,
     )
 
 
@@ -411,14 +434,16 @@ class _Measurement:
             per_row_mean=self.per_row_mean,
         )
 
-    def truncation_pass(self, profile: Profile, states: list[_PromptState], candidates: tuple[int, ...]) -> TruncationResult:
+    def truncation_pass(
+        self, profile: Profile, states: list[_PromptState], candidates: tuple[int, ...], stage: str = STAGE_TRUNCATION
+    ) -> TruncationResult:
         import torch
 
         from kvtool.runtime import attach
 
         scores = TruncationScores(candidates)
         total = sum(max(state.references.steps - 1, 0) for state in states) * len(candidates)
-        steps = _Counter(STAGE_TRUNCATION, total, self.progress).start()
+        steps = _Counter(stage, total, self.progress).start()
         handle = attach(self.model, profile)
         try:
             with torch.inference_mode():

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
+from kvtool.errors import KvtoolError
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
     from kvtool.calibrate.runner import CalibrationResult
@@ -88,12 +89,25 @@ def calibrate_command(
             "(no causal bias toward early tokens), 'sum' = plain column sum.",
         ),
     ] = "mean",
+    merge: Annotated[
+        str,
+        typer.Option(
+            "--merge",
+            help="How evicted prompt tokens are folded into kept ones: 'auto' tries position (Elastic Cache "
+            "bucket mean) and none (pure eviction) with every D and keeps the lower calibration PPL; or name "
+            "one mode (position, none, similarity-avg, similarity-pivot, similarity-weighted).",
+        ),
+    ] = "auto",
 ) -> None:
     """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
     passive_openmp()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.calibrate.budget import check_budget
-    from kvtool.calibrate.runner import calibrate, check_writable, default_out_path
+    from kvtool.calibrate.runner import DEFAULT_MERGE_MODES, calibrate, check_writable, default_out_path
+    from kvtool.profiles import MERGE_MODES, MethodSettings
+
+    if merge != "auto" and merge not in MERGE_MODES:
+        raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
     model_budget = check_budget(budget)
     dest = check_writable(out if out is not None else default_out_path(model, model_budget))
@@ -107,6 +121,8 @@ def calibrate_command(
             max_prompt_tokens=max_prompt_tokens,
             out=dest,
             curve_importance=curve_importance,
+            method=None if merge == "auto" else MethodSettings(merge=merge),
+            merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
             progress=bars,
         )
     render_summary(Console(), result)
@@ -133,6 +149,9 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
         )
     if result.truncation is not None:
         facts.add_row("Truncation D", f"{result.truncation.best} (lowest calibration PPL)")
+        if len(result.merge_ppl) > 1:
+            tried = ", ".join(f"{mode} {ppl:.3f}" for mode, ppl in result.merge_ppl.items())
+            facts.add_row("Merge mode", f"{profile.method.merge} (lowest calibration PPL at its best D: {tried})")
         facts.add_row(
             "Calibration PPL",
             f"full {result.truncation.ppl_full:.3f} → compressed {result.truncation.ppl_compressed:.3f}"
