@@ -33,7 +33,7 @@ def llama():
 def recipe(model, name: str, ratios=RATIOS):
     m = METHODS[name]
     return profile_with(
-        model, ratios, selection=m.selection, merge=m.merge, eviction=m.eviction,
+        model, ratios, selection=m.selection, merge=m.merge or "position", eviction=m.eviction,
         sink_tokens=2, recent_window=3, truncation_distance=5,
     )
 
@@ -43,7 +43,8 @@ def test_schema_names_match_the_runtime_registries():
     assert set(EVICTION_RULES) == set(EVICT_RULES)
     assert set(MERGE_MODES) == set(MERGE_RULES)
     for method in METHODS.values():
-        assert method.selection in SELECT_RULES and method.eviction in EVICT_RULES and method.merge in MERGE_RULES
+        assert method.selection in SELECT_RULES and method.eviction in EVICT_RULES
+        assert method.merge in MERGE_RULES or (method.merge is None and method.per_layer)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -181,6 +182,10 @@ def test_method_profile_settings_and_errors(llama):
     assert [layer.ratio for layer in local.layers] == [0.2, 0.2, 0.2]
     assert (local.method.selection, local.method.merge, local.method.eviction) == ("recent", "none", "sliding")
     assert (local.method.sink_tokens, local.method.truncation_distance) == (3, 7)
+    for merge in ("position", "none"):
+        own = dataclasses.replace(calibrated, method=dataclasses.replace(calibrated.method, merge=merge))
+        assert method_profile("prefixkv", llama, own.budget, own).method.merge == merge  # the calibrated mode
+        assert method_profile("prefixkv-merge", llama, own.budget, own).method.merge == "position"
     evict = method_profile("prefixkv-evict", llama, calibrated.budget, calibrated)
     assert [layer.ratio for layer in evict.layers] == RATIOS and evict.method.merge == "none"
     with pytest.raises(KvtoolError, match="unknown method 'snap'"):

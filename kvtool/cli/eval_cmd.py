@@ -66,7 +66,7 @@ def eval_command(
         str,
         typer.Option(
             "--methods",
-            help="Comma-separated: local, h2o, elastic, prefixkv, prefixkv-evict, lookm "
+            help="Comma-separated: local, h2o, elastic, prefixkv (calibrated ratios, merge mode and D), prefixkv-merge, prefixkv-evict, lookm "
             "(LOOK-M: text-prior anchors + similarity-pivot merging; the prior needs image tokens).",
         ),
     ] = "local,h2o,elastic,prefixkv",

@@ -21,7 +21,7 @@ class Method:
     summary: str
     per_layer: bool  # calibrated per-layer ratios (PrefixKV) instead of the same ratio in every layer
     selection: str
-    merge: str
+    merge: str | None  # None: the calibrated profile's merge mode (calibration picks it with D)
     eviction: str
 
 
@@ -38,7 +38,15 @@ METHODS: dict[str, Method] = {
             "heavy-hitter",
         ),
         Method("elastic", "Elastic Cache: one ratio in every layer, importance anchors, merging", False, "importance", "position", "fixed-point"),
-        Method("prefixkv", "kvtool: calibrated per-layer ratios, importance anchors, merging", True, "importance", "position", "fixed-point"),
+        Method(
+            "prefixkv",
+            "kvtool: calibrated per-layer ratios, importance anchors, the calibrated merge mode and D",
+            True,
+            "importance",
+            None,
+            "fixed-point",
+        ),
+        Method("prefixkv-merge", "PrefixKV ratios with Elastic Cache's position merging", True, "importance", "position", "fixed-point"),
         Method("prefixkv-evict", "PrefixKV: calibrated per-layer ratios, eviction only", True, "importance", "none", "fixed-point"),
         Method(
             "lookm",
@@ -79,5 +87,6 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     else:
         profile = uniform_profile(model, budget)
     base = calibrated.method if calibrated is not None else MethodSettings()
-    settings = dataclasses.replace(base, selection=method.selection, merge=method.merge, eviction=method.eviction)
+    merge = method.merge or base.merge
+    settings = dataclasses.replace(base, selection=method.selection, merge=merge, eviction=method.eviction)
     return dataclasses.replace(profile, method=settings)
