@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +17,11 @@ from kvtool.calibrate.data import load_jsonl
 from kvtool.calibrate.runner import prompt_forward
 from kvtool.calibrate.statistics import PromptImages, kept_image_share
 from kvtool.calibrate.truncation import compress_recorded_prompt, reference_continuations
-from kvtool.cli.app import main
 from kvtool.errors import KvtoolError
 from kvtool.profiles import read_profile
 from kvtool.runtime import attach, method_profile, uniform_profile
 from tiny_vlms import BUILDERS, IMAGE_TOKEN, save_tiny_llava
+from cli_runner import run
 
 WORDS = "the cat dog sat on mat and it ran away to house big small red blue green one two three".split()
 NEW = 6
@@ -36,15 +35,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["kvtool", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def words(rng: random.Random, count: int) -> str:

@@ -16,21 +16,12 @@ from kvtool.calibrate.data import load_jsonl
 from kvtool.calibrate.runner import calibrate
 from kvtool.cli.app import main
 from kvtool.profiles import read_profile
+from cli_runner import run
 
 WORDS = "the cat dog sat on mat and it ran away to house big small red blue green one two three".split()
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run the kvtool entry point in-process; returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["kvtool", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,24 +14,15 @@ import torch
 
 from kvtool.calibrate.batches import encode_prompt
 from kvtool.calibrate.data import load_jsonl
-from kvtool.cli.app import main
 from kvtool.evaluate import EvalConfig, evaluate
 from kvtool.evaluate.metrics import mean_rouge_l, rouge_l_f1
 from kvtool.models import load_model
+from cli_runner import run
 
 WORDS = "the cat dog sat on mat and it ran away to house big small red blue green one two three".split()
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["kvtool", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
