@@ -83,6 +83,7 @@ def test_default_out_is_profiles_model_budget(
         (["--budget", "0.3", "--samples", "9"], "error: asked for 9 samples but"),
         (["--budget", "0.3", "--out", "{tmp}/file/p.yaml"], "error: cannot write profile to"),
         (["--budget", "0.3", "--out", "{tmp}"], "error: cannot write profile to"),
+        (["--budget", "0.3", "--reference-tokens", "0"], "error: reference tokens and batch size must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_file(
@@ -95,6 +96,15 @@ def test_bad_input_is_one_line_and_leaves_no_file(
     assert code == 2 and stdout == ""
     assert stderr.startswith(message) and len(stderr.strip().splitlines()) == 1, stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_reference_tokens_default_is_the_library_default() -> None:
+    import inspect
+
+    from kvtool.calibrate.truncation import REFERENCE_TOKENS
+    from kvtool.cli.calibrate import calibrate_command
+
+    assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS
 
 
 def test_malformed_data_line_is_named(tiny_llama_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:

@@ -98,6 +98,14 @@ def calibrate_command(
             "one mode (position, none, similarity-avg, similarity-pivot, similarity-weighted).",
         ),
     ] = "auto",
+    reference_tokens: Annotated[
+        int,
+        typer.Option(
+            "--reference-tokens",
+            help="Length of the full-cache continuations the D search teacher-forces; match the generation "
+            "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens).",
+        ),
+    ] = 64,  # kvtool.calibrate.truncation.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
 ) -> None:
     """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
     passive_openmp()
@@ -123,6 +131,7 @@ def calibrate_command(
             curve_importance=curve_importance,
             method=None if merge == "auto" else MethodSettings(merge=merge),
             merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
+            reference_tokens=reference_tokens,
             progress=bars,
         )
     render_summary(Console(), result)
