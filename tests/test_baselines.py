@@ -195,3 +195,20 @@ def test_method_profile_settings_and_errors(llama):
     with pytest.raises(KvtoolError, match=r"\(0, 1\]"):
         method_profile("local", llama, 1.5)
     assert dataclasses.replace(local.method, selection="importance").selection == "importance"
+
+
+def test_importance_mean_divides_each_column_by_the_rows_that_see_it():
+    from kvtool.runtime.selection import select_rule
+    from kvtool.runtime.selection.mean_importance import mean_importance
+
+    # Row 0: 2 pad columns then 4 real tokens; row 1: 6 real tokens.
+    valid = torch.tensor([[False, False, True, True, True, True], [True] * 6])
+    sums = torch.tensor([[9.0, 9.0, 4.0, 3.0, 2.0, 1.0], [6.0, 5.0, 4.0, 3.0, 2.0, 1.2]], dtype=torch.float64)
+    mean = mean_importance(sums, valid)
+    assert torch.equal(mean[0], torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+    assert torch.allclose(mean[1], torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.2], dtype=torch.float64))
+    # By sum the first token wins, by mean the last one (no sinks, no recent window).
+    picked = select_rule("importance-mean").select(sums[1:], valid[1:], np.array([1]), sink_tokens=0, recent_window=0)
+    assert picked.index.tolist() == [[5]]
+    plain = select_rule("importance").select(sums[1:], valid[1:], np.array([1]), sink_tokens=0, recent_window=0)
+    assert plain.index.tolist() == [[0]]
