@@ -62,6 +62,14 @@ def test_rouge_l_hand_computed():
     assert mean_rouge_l(["a b", "x"], ["a b", "y"]) == pytest.approx(0.5)
 
 
+def test_rouge_l_standard_error_hand_computed():
+    from kvtool.evaluate.results import MethodResult
+
+    three = MethodResult("h2o", 0.2, 3.0, 0.4, 0.2, 10, rouge_l_per_prompt=(0.2, 0.4, 0.6))
+    assert three.rouge_l_sem == pytest.approx(0.2 / math.sqrt(3))  # sample sd 0.2 over 3 prompts
+    assert math.isnan(MethodResult("h2o", 0.2, 3.0, 0.4, 0.2, 10, rouge_l_per_prompt=(0.4,)).rouge_l_sem)
+
+
 def test_budget_one_ppl_equals_a_plain_forward(loaded, answers_file):
     """Budget 1.0 teacher-forced token by token through kvtool's cache, in padded batches, gives the
     PPL of one plain forward over prompt + answer per sample, computed here by hand."""
@@ -113,7 +121,9 @@ def test_cli_json_contract_and_plot(tiny_llama_dir, prompts_file, tmp_path, monk
     assert isinstance(doc["full_ppl"], float)
     assert [(r["method"], r["budget"]) for r in doc["results"]] == [("local", 0.3), ("elastic", 0.3), ("local", 0.6), ("elastic", 0.6)]
     for r in doc["results"]:
-        assert set(r) == {"method", "budget", "ppl", "rouge_l", "kv_fraction"}
+        assert {"method", "budget", "ppl", "rouge_l", "kv_fraction"} <= set(r)
+        assert len(r["rouge_l_per_prompt"]) == doc["samples"]
+        assert r["rouge_l"] == pytest.approx(sum(r["rouge_l_per_prompt"]) / doc["samples"])
     assert "PPL" in stdout and "ROUGE-L" in stdout and "elastic" in stdout
     if HAS_MATPLOTLIB:
         assert (tmp_path / "eval.png").stat().st_size > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -141,11 +142,13 @@ def render(console: Console, report: EvalReport) -> None:
         for i, r in enumerate(rows):
             ppl = f"[bold]{r.ppl:.3f}[/]" if r.ppl == best_ppl and len(rows) > 1 else f"{r.ppl:.3f}"
             rouge = f"[bold]{r.rouge_l:.3f}[/]" if r.rouge_l == best_rouge and len(rows) > 1 else f"{r.rouge_l:.3f}"
+            if not math.isnan(r.rouge_l_sem):
+                rouge += f" ± {r.rouge_l_sem:.3f}"
             table.add_row(f"{budget:g}" if i == 0 else "", r.method, ppl, rouge, f"{r.kv_fraction:.1%}", end_section=i == len(rows) - 1)
     console.print(table)
     console.print(
         f"full cache: PPL {report.full_ppl:.3f} on {report.reference_tokens} reference tokens "
-        f"({report.references}); ROUGE-L is against the full cache's greedy output (1.0 = identical).",
+        f"({report.references}); ROUGE-L is against the full cache's greedy output (1.0 = identical; ± one standard error over prompts).",
         soft_wrap=True,
     )
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)

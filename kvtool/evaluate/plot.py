@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kvtool.evaluate.results import EvalReport
@@ -19,7 +20,9 @@ def plot_report(report: EvalReport, path: Path) -> Path:
         rows = sorted((r for r in report.results if r.method == method), key=lambda r: r.budget)
         budgets = [r.budget for r in rows]
         ax_ppl.plot(budgets, [r.ppl for r in rows], marker="o", label=method)
-        ax_rouge.plot(budgets, [r.rouge_l for r in rows], marker="o", label=method)
+        # Error bars: one standard error over prompts, so readers see which gaps are noise.
+        sem = [0.0 if math.isnan(r.rouge_l_sem) else r.rouge_l_sem for r in rows]
+        ax_rouge.errorbar(budgets, [r.rouge_l for r in rows], yerr=sem, marker="o", capsize=3, label=method)
     ax_ppl.axhline(report.full_ppl, color="black", linestyle="--", linewidth=1, label="full cache")
     ax_ppl.set(xlabel="budget (kept fraction)", ylabel="PPL (lower is better)", yscale="log", title="Perplexity")
     ax_rouge.axhline(1.0, color="black", linestyle="--", linewidth=1, label="full cache")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,18 @@ class MethodResult:
     rouge_l: float  # mean ROUGE-L F1 of the compressed greedy output vs the full cache's
     kv_fraction: float  # physical KV bytes / a full cache's bytes, at the end of greedy generation
     tokens: int  # reference tokens scored
+    # Per prompt, in data order, so two methods can be compared prompt by prompt (paired).
+    rouge_l_per_prompt: tuple[float, ...] = ()
+
+    @property
+    def rouge_l_sem(self) -> float:
+        """Standard error of the mean ROUGE-L over prompts: how far 20 prompts let us trust a gap."""
+        n = len(self.rouge_l_per_prompt)
+        if n < 2:
+            return math.nan
+        mean = sum(self.rouge_l_per_prompt) / n
+        variance = sum((x - mean) ** 2 for x in self.rouge_l_per_prompt) / (n - 1)
+        return math.sqrt(variance / n)
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,11 @@ class EvalReport:
         return {
             "full_ppl": self.full_ppl,
             "results": [
-                {"method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l, "kv_fraction": r.kv_fraction}
+                {
+                    "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
+                    "kv_fraction": r.kv_fraction, "rouge_l_sem": _finite(r.rouge_l_sem),
+                    "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
+                }
                 for r in self.results
             ],
             "model": self.model,
@@ -49,3 +66,8 @@ class EvalReport:
             "profile_source": self.profile_source,
             "seconds": self.seconds,
         }
+
+
+def _finite(x: float) -> float | None:
+    # JSON has no NaN; one prompt has no standard error.
+    return None if math.isnan(x) else x

@@ -145,7 +145,7 @@ class _Evaluation:
                 tick()
         return MethodResult(
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
-            kv_fraction=kept / full if full else math.nan, tokens=nll.count,
+            kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
         )
 
 
