@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,9 +36,8 @@ def main() -> None:
     a, b = per_prompt(doc, args.a, args.budget), per_prompt(doc, args.b, args.budget)
     diffs = [x - y for x, y in zip(a, b)]
     n = len(diffs)
-    mean = sum(diffs) / n
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else math.nan
-    sem = sd / math.sqrt(n)
+    mean = statistics.fmean(diffs)
+    sem = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.nan
     wins, ties = sum(d > 0 for d in diffs), sum(d == 0 for d in diffs)
     print(
         f"budget {args.budget:g}, {n} prompts: ROUGE-L {args.a} {sum(a) / n:.3f}, {args.b} {sum(b) / n:.3f}; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +25,7 @@ class MethodResult:
     def rouge_l_sem(self) -> float:
         """Standard error of the mean ROUGE-L over prompts: how far 20 prompts let us trust a gap."""
         n = len(self.rouge_l_per_prompt)
-        if n < 2:
-            return math.nan
-        mean = sum(self.rouge_l_per_prompt) / n
-        variance = sum((x - mean) ** 2 for x in self.rouge_l_per_prompt) / (n - 1)
-        return math.sqrt(variance / n)
+        return statistics.stdev(self.rouge_l_per_prompt) / math.sqrt(n) if n > 1 else math.nan
 
 
 @dataclass(frozen=True)
