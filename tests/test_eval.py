@@ -160,3 +160,23 @@ def test_bad_input_is_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, ar
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], stderr
     assert "Traceback" not in stderr
+
+
+def test_paired_rouge_script_pairs_prompts(tmp_path):
+    import subprocess
+    import sys
+
+    doc = {"results": [
+        {"method": "a", "budget": 0.2, "rouge_l_per_prompt": [0.5, 0.4, 0.9]},
+        {"method": "b", "budget": 0.2, "rouge_l_per_prompt": [0.3, 0.4, 0.6]},
+    ]}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(doc))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "paired_rouge.py"
+    done = subprocess.run([sys.executable, str(script), str(path), "a", "b", "--budget", "0.2"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    # Differences 0.2, 0.0, 0.3: mean 0.167, sample sd 0.153, standard error 0.088.
+    assert "paired difference +0.167 ± 0.088" in done.stdout
+    assert "a higher on 2, equal on 1, lower on 0 prompts" in done.stdout
+    missing = subprocess.run([sys.executable, str(script), str(path), "a", "c", "--budget", "0.2"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "no result for method 'c'" in missing.stderr
