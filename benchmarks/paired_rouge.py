@@ -15,6 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from kvtool.evaluate.metrics import standard_error
+
 
 def per_prompt(doc: dict, method: str, budget: float) -> list[float]:
     for row in doc["results"]:
@@ -34,10 +36,11 @@ def main() -> None:
     args = parser.parse_args()
     doc = json.loads(args.json.read_text())
     a, b = per_prompt(doc, args.a, args.budget), per_prompt(doc, args.b, args.budget)
+    if len(a) != len(b):
+        sys.exit(f"error: {args.a} has {len(a)} prompts, {args.b} {len(b)}: not the same evaluation")
     diffs = [x - y for x, y in zip(a, b)]
     n = len(diffs)
-    mean = statistics.fmean(diffs)
-    sem = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.nan
+    mean, sem = statistics.fmean(diffs), standard_error(diffs)
     wins, ties = sum(d > 0 for d in diffs), sum(d == 0 for d in diffs)
     print(
         f"budget {args.budget:g}, {n} prompts: ROUGE-L {args.a} {sum(a) / n:.3f}, {args.b} {sum(b) / n:.3f}; "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -24,3 +26,8 @@ def mean_rouge_l(predictions: Sequence[str], targets: Sequence[str]) -> float:
     if len(predictions) != len(targets) or not predictions:
         raise ValueError("need as many predictions as targets, at least one")
     return sum(rouge_l_f1(p, t) for p, t in zip(predictions, targets)) / len(predictions)
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); NaN below two values."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvtool.evaluate.metrics import standard_error
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,7 @@ class MethodResult:
     @property
     def rouge_l_sem(self) -> float:
         """Standard error of the mean ROUGE-L over prompts: how far 20 prompts let us trust a gap."""
-        n = len(self.rouge_l_per_prompt)
-        return statistics.stdev(self.rouge_l_per_prompt) / math.sqrt(n) if n > 1 else math.nan
+        return standard_error(self.rouge_l_per_prompt)
 
 
 @dataclass(frozen=True)
