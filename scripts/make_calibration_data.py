@@ -63,6 +63,21 @@ def _module_doc(module: str, attribute: str = "__doc__") -> Callable[[], str]:
     return text
 
 
+def _object_doc(module: str, name: str) -> Callable[[], str]:
+    """The docstring of a class or function, `name` a dotted path inside `module`."""
+
+    def text() -> str:
+        import importlib
+        import inspect
+
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return inspect.getdoc(obj)
+
+    return text
+
+
 def _license(part: str) -> Callable[[], str]:
     def text() -> str:
         full = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
@@ -92,6 +107,9 @@ def source(label: str) -> Source:
         return Source(f"LICENSE.txt ({label[8:]})", _license(label[8:]))
     if label == "zen":
         return Source("this (The Zen of Python)", _zen)
+    if label.startswith("doc:"):
+        module, _, name = label[4:].partition(":")
+        return Source(f"{module}.{name}.__doc__", _object_doc(module, name))
     module, _, attribute = label.partition(".")
     return Source(f"{module}.{attribute or '__doc__'}", _module_doc(module, attribute or "__doc__"))
 
@@ -254,6 +272,28 @@ EVALUATION = [
     ("title", "topic:augassign"),
     ("compare", "topic:return", "topic:yield"),
     ("explain", "topic:booleans"),
+    # Added later (appended, so the first 20 prompts are unchanged): 20 prompts give each method's
+    # ROUGE-L a standard error of 0.02-0.03, as large as the differences between methods.
+    ("summary", "re"),
+    ("explain", "configparser"),
+    ("chat", "socketserver"),
+    ("rules", "doc:optparse:OptionParser"),
+    ("quiz", "json"),
+    ("describe", "doc:difflib:SequenceMatcher"),
+    ("compare", "topic:integers", "topic:floating"),
+    ("chat", "sys"),
+    ("summary", "aifc"),
+    ("explain", "site"),
+    ("compare", "topic:specialattrs", "topic:typesmodules"),
+    ("chat", "sunau"),
+    ("quiz", "fileinput"),
+    ("rules", "ssl"),
+    ("describe", "doc:logging:basicConfig"),
+    ("compare", "topic:power", "topic:unary"),
+    ("summary", "doc:http.server:BaseHTTPRequestHandler"),
+    ("title", "wave"),
+    ("explain", "doc:difflib:Differ"),
+    ("compare", "topic:assert", "topic:del"),
 ]
 
 

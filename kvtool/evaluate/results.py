@@ -24,7 +24,7 @@ class MethodResult:
 
     @property
     def rouge_l_sem(self) -> float:
-        """Standard error of the mean ROUGE-L over prompts: how far 20 prompts let us trust a gap."""
+        """Standard error of the mean ROUGE-L over prompts: how far the prompt count lets us trust a gap."""
         return standard_error(self.rouge_l_per_prompt)
 
 
