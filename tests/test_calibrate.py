@@ -199,6 +199,18 @@ def test_shipped_data_has_enough_long_prompts() -> None:
     assert all(len(r.prompt) > 1500 for r in calibration)
 
 
+def test_shipped_evaluation_never_sees_a_calibration_source() -> None:
+    def sources(name: str) -> set[str]:
+        lines = packaged_data(name).read_text(encoding="utf-8").splitlines()
+        # "topic A + topic B, Python 3.11.7": every source text a prompt was built from
+        labels = (json.loads(line)["source"].rsplit(", Python", 1)[0] for line in lines)
+        return {part for label in labels for part in label.split(" + ")}
+
+    calibration, evaluation = sources("calibration.jsonl"), sources("evaluation.jsonl")
+    assert len(evaluation) >= 40
+    assert not calibration & evaluation
+
+
 def test_selection_and_hash_follow_the_seed(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": f"prompt {i}"}) for i in range(10)])
     records = load_jsonl(path)
