@@ -227,3 +227,26 @@ def test_fused_prompt_attention_matches_sdpa(padded):
     assert torch.allclose(importance, attention_importance(q, k, mask, 0.35), atol=1e-12)
     if padded:
         assert torch.all(got[1, :9] == 0)
+
+
+def test_interleaved_caches_each_reach_their_own_layers(llama):
+    # Every forward carries its own cache to the attention function: stepping two caches in turn on
+    # one model gives what stepping each alone gives.
+    profile = profile_with(llama, [0.3, 0.5, 0.2], sink_tokens=2, recent_window=2)
+    prompts_ab = prompts([50, 37], seed=7)
+    steps = prompts([6], seed=8)[0]
+
+    def run(ids_list):
+        with torch.no_grad(), attach(llama, profile) as handle:
+            caches = [handle.new_cache() for _ in ids_list]
+            logits = [[llama(input_ids=ids[None], past_key_values=c).logits[0, -1]] for ids, c in zip(ids_list, caches)]
+            for token in steps:
+                for row, cache in zip(logits, caches):
+                    row.append(llama(input_ids=token.view(1, 1), past_key_values=cache).logits[0, -1])
+        return [torch.stack(row) for row in logits], caches
+
+    together, caches = run(prompts_ab)
+    for i, ids in enumerate(prompts_ab):
+        alone, _ = run([ids])
+        assert torch.equal(together[i], alone[0])
+    assert [c.layers[0].seen for c in caches] == [50 + len(steps), 37 + len(steps)]

@@ -67,7 +67,7 @@ def test_language_model_gets_kvtool_vision_tower_keeps_its_own(vlm):
         assert len(model._forward_pre_hooks) == before + 1
         cache = handle.new_cache()
     assert config.get_text_config(decoder=True)._attn_implementation == "sdpa"
-    assert len(model._forward_pre_hooks) == before  # detach removes the image-mask hook
+    assert len(model._forward_pre_hooks) == before  # detach removes the hook that hands the cache to the attention
     text = config.get_text_config(decoder=True)
     fingerprint = fingerprint_of(model)
     assert (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.vocab_size) == (

@@ -12,6 +12,7 @@ import torch
 
 from kvtool import __version__
 from kvtool.errors import KvtoolError
+from kvtool.models.vision import image_token_ids
 from kvtool.profiles import (
     LayerProfile,
     MethodSettings,
@@ -20,6 +21,7 @@ from kvtool.profiles import (
     read_profile,
 )
 from kvtool.runtime import attention
+from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.eviction import evict_rule
@@ -101,7 +103,7 @@ class KvtoolHandle:
     profile: Profile
     _previous: dict = field(default_factory=dict)
     _plans: list = field(default_factory=list)
-    _hook: object = None  # the forward pre-hook that hands kvtool caches the prompt's image-token mask
+    _hook: object = None  # the forward pre-hook that hands each call's kvtool cache to the attention
     attached: bool = True
 
     def new_cache(self, *, record_importance: bool = False) -> KvtoolCache:
@@ -140,41 +142,34 @@ def _implementations(model) -> dict:
     return current
 
 
-def image_token_ids(config) -> tuple[int, ...]:
-    """The token ids a vision-language model's processor puts at image (and video frame) positions.
-
-    Read from the top-level config (`image_token_id`, LLaVA's and Gemma 3's `image_token_index`,
-    Qwen2-VL's `video_token_id`); empty for text-only models.
-    """
-    ids: list[int] = []
-    for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value not in ids:
-            ids.append(value)
-    return tuple(ids)
-
-
-def _image_mask_hook(token_ids: tuple[int, ...]):
-    """A forward pre-hook (torch's public `register_forward_pre_hook(..., with_kwargs=True)`) that hands
-    a kvtool cache the prompt's image-token mask, `input_ids` in `token_ids` and not padding, on the
-    forward that fills it. Later forwards, other caches and calls without `input_ids` pass through."""
+def _forward_pre_hook(image_tokens: tuple[int, ...]):
+    """The hook `attach` registers on the model (torch's public `register_forward_pre_hook(...,
+    with_kwargs=True)`). For a call whose `past_key_values` is a KvtoolCache it passes the cache on to
+    the attention function under CACHE_KWARG (attention.py says why), and on the forward that fills
+    the cache hands it the prompt's image-token mask: `input_ids` in `image_tokens` and not padding
+    (vision-language models; `image_tokens` is empty for text models). Calls with any other cache
+    pass through untouched."""
 
     def hook(module, args, kwargs):
         cache = kwargs.get("past_key_values")
-        if not isinstance(cache, KvtoolCache) or not cache.awaiting_prompt:
+        if not isinstance(cache, KvtoolCache):
             return None
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            cache.set_image_mask(None)
-            return None
-        mask = torch.isin(input_ids, torch.tensor(token_ids, device=input_ids.device))
-        attention_mask = kwargs.get("attention_mask")
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
-            mask &= attention_mask.to(torch.bool)
-        cache.set_image_mask(mask)
-        return None
+        if image_tokens and cache.awaiting_prompt:
+            cache.set_image_mask(_image_mask(args, kwargs, image_tokens))
+        return args, {**kwargs, CACHE_KWARG: cache}
 
     return hook
+
+
+def _image_mask(args: tuple, kwargs: dict, image_tokens: tuple[int, ...]) -> torch.Tensor | None:
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return None
+    mask = torch.isin(input_ids, torch.tensor(image_tokens, device=input_ids.device))
+    attention_mask = kwargs.get("attention_mask")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+        mask &= attention_mask.to(torch.bool)
+    return mask
 
 
 def attach(model, profile: Profile) -> KvtoolHandle:
@@ -202,8 +197,5 @@ def attach(model, profile: Profile) -> KvtoolHandle:
                 f"({', '.join(target) or 'none'}); kvtool cannot switch its attention"
             )
         model.set_attn_implementation(target)
-    hook = None
-    token_ids = image_token_ids(config)
-    if token_ids:
-        hook = model.register_forward_pre_hook(_image_mask_hook(token_ids), with_kwargs=True)
+    hook = model.register_forward_pre_hook(_forward_pre_hook(image_token_ids(config)), with_kwargs=True)
     return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=layer_plans(profile), _hook=hook)

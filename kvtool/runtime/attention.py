@@ -4,6 +4,18 @@ For layers whose cache is a kvtool CompressingLayer it runs the normal sdpa kern
 - on the prompt forward, scores and compresses that layer's cache;
 - on later forwards, masks by the layer's own slot validity and evicts once the token is attended.
 Every other call (no cache, a plain DynamicCache, sliding-window layers) is exactly sdpa.
+
+How the function finds its cache layer. transformers calls an AttentionInterface function with the
+attention module, query/key/value, the mask, and the extra keyword arguments the model's forward
+was called with (its documented way to give an attention function new inputs: "models supporting
+AttentionInterface propagate kwargs to attention layers and the attention function"). The cache
+itself does not arrive: the attention module takes `past_key_values` as a named argument and only
+calls `past_key_values.update(key, value, self.layer_idx)` with it. So `attach` registers a forward
+pre-hook on the model (torch's public hook API) that passes each call's KvtoolCache on under
+`CACHE_KWARG`, and the attention function reads `cache.layers[module.layer_idx]`: the layer the
+module has just updated, by the very index it updated it with. Each call carries its own cache, so
+nothing is global, nothing is matched by tensor identity, and threads or interleaved caches cannot
+mix layers up.
 """
 
 from __future__ import annotations
@@ -14,9 +26,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvtool.runtime.importance import attention_importance, attention_with_importance, decode_attention_with_scores
-from kvtool.runtime.layer import claim_layer
+from kvtool.runtime.layer import CompressingLayer
 
 ATTENTION_NAME = "kvtool"
+# The forward keyword argument that carries the KvtoolCache from the model's forward to this function.
+CACHE_KWARG = "kvtool_cache"
 
 
 def kvtool_attention_forward(
@@ -29,7 +43,7 @@ def kvtool_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    layer = claim_layer(key)
+    layer = _compressing_layer(module, kwargs.pop(CACHE_KWARG, None))
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if scaling is None:
@@ -47,7 +61,8 @@ def kvtool_attention_forward(
                 importance = attention_importance(query, key, attention_mask, scaling)
         layer.compress_prompt(attention_mask, importance)
         return out
-    mask = layer.decode_mask(attention_mask)
+    layer.discard_padded_token(attention_mask)
+    mask = layer.slot_mask()
     if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
         output, received = decode_attention_with_scores(query, key, value, mask, scaling)
         layer.add_scores(received)
@@ -56,6 +71,16 @@ def kvtool_attention_forward(
         out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
     layer.evict_over_budget()
     return out
+
+
+def _compressing_layer(module: torch.nn.Module, cache) -> CompressingLayer | None:
+    """The kvtool layer of `cache` this attention module just updated; None for every other layer
+    (sliding-window layers, layers planned uncompressed) and for calls that carry no kvtool cache."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is None or layer_idx is None:
+        return None
+    layer = cache.layers[layer_idx]
+    return layer if isinstance(layer, CompressingLayer) else None
 
 
 def _plain_softmax_attention(dropout: float, kwargs: dict) -> bool:

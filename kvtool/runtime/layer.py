@@ -12,7 +12,6 @@ buffer only grows when the layer's share grows.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -26,9 +25,6 @@ from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
 
 # Slots added when a layer's share outgrows its buffer: the stated floor above the budget.
 GROWTH_SLOTS = 16
-
-# The attention function cannot see the cache; the layer that just ran `update` leaves itself here.
-_handoff = threading.local()
 
 
 @dataclass(frozen=True)
@@ -44,15 +40,6 @@ class LayerPlan:
     evict: EvictRule = field(default_factory=FixedPoint)
     # Keep the prompt importance after compressing (calibration reads it; costs one score pass).
     record_importance: bool = False
-
-
-def claim_layer(key: torch.Tensor) -> "CompressingLayer | None":
-    """The kvtool layer whose `update` returned `key`, if the current attention call belongs to one."""
-    layer = getattr(_handoff, "layer", None)
-    if layer is None or layer.keys is not key:
-        return None
-    _handoff.layer = None
-    return layer
 
 
 class CompressingLayer(DynamicLayer):
@@ -97,7 +84,8 @@ class CompressingLayer(DynamicLayer):
         else:
             if not self.compressed:
                 raise KvtoolError(
-                    "a kvtool cache was used without kvtool attention: call kvtool.runtime.attach(model, profile) first"
+                    "a kvtool cache was used without kvtool attention: call kvtool.runtime.attach(model, profile) first "
+                    "and pass the cache to that model"
                 )
             if key_states.shape[2] != 1:
                 raise KvtoolError(
@@ -105,7 +93,6 @@ class CompressingLayer(DynamicLayer):
                     "(chunked prefill and multi-token continuation are not supported)"
                 )
             self._place(key_states, value_states)
-        _handoff.layer = self
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -286,16 +273,22 @@ class CompressingLayer(DynamicLayer):
         if self.score is not None:
             self.score = torch.cat([self.score, self.score.new_zeros(bsz, slots)], dim=1)
 
-    def decode_mask(self, given: torch.Tensor | None) -> torch.Tensor:
-        """Boolean [B, 1, 1, S] mask over physical slots for the one new query token."""
-        if given is not None:
-            # A padded new token (not produced by generate, but possible in a bare forward) stays invalid.
-            real = given[:, 0, -1, -1]
-            if not bool(real.all()):
-                self.valid.scatter_(1, self._new_slot[:, None], real[:, None])
-                fake = ~real.cpu().numpy()
-                self.tokens = self.tokens - fake
-                self.kept = self.kept - fake
+    def discard_padded_token(self, given: torch.Tensor | None) -> None:
+        """Un-place the new token of every sequence where the forward's mask (`given`, [B, 1, 1, T])
+        marks it as padding: its slot goes back to free and the counts drop by one. generate never
+        feeds padding after the prompt, but a bare forward on a padded batch may."""
+        if given is None:
+            return
+        real = given[:, 0, -1, -1]
+        if bool(real.all()):
+            return
+        self.valid.scatter_(1, self._new_slot[:, None], real[:, None])
+        fake = ~real.cpu().numpy()
+        self.tokens = self.tokens - fake
+        self.kept = self.kept - fake
+
+    def slot_mask(self) -> torch.Tensor:
+        """Boolean [B, 1, 1, S] mask over physical slots for the one new query token (pure)."""
         return self.valid[:, None, None, :]
 
     @property
