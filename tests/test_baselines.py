@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from kvtool.errors import KvtoolError
-from kvtool.profiles import EVICTION_RULES, MERGE_MODES, SELECTION_RULES
-from kvtool.runtime import METHODS, attach, method_profile
+from kvtool.profiles import EVICTION_RULES, MERGE_MODES, SELECTION_RULES, save_profile
+from kvtool.runtime import METHODS, attach, load_profile, method_profile
 from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.importance import decode_attention_with_scores
@@ -45,6 +45,16 @@ def test_schema_names_match_the_runtime_registries():
     for method in METHODS.values():
         assert method.selection in SELECT_RULES and method.eviction in EVICT_RULES
         assert method.merge in MERGE_RULES or (method.merge is None and method.per_layer)
+
+
+def test_a_profile_naming_the_removed_importance_mean_rule_is_refused(llama, tmp_path):
+    # `importance-mean` ranked worse than `importance` and was removed; such a file fails in one line.
+    path = tmp_path / "old.yaml"
+    save_profile(profile_with(llama, RATIOS), path)
+    path.write_text(path.read_text().replace("selection: importance", "selection: importance-mean"))
+    with pytest.raises(KvtoolError, match=r"method\.selection.*'importance-mean'") as info:
+        load_profile(path)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -194,21 +204,3 @@ def test_method_profile_settings_and_errors(llama):
         method_profile("prefixkv", llama, 0.2)
     with pytest.raises(KvtoolError, match=r"\(0, 1\]"):
         method_profile("local", llama, 1.5)
-    assert dataclasses.replace(local.method, selection="importance").selection == "importance"
-
-
-def test_importance_mean_divides_each_column_by_the_rows_that_see_it():
-    from kvtool.runtime.selection import select_rule
-    from kvtool.runtime.selection.mean_importance import mean_importance
-
-    # Row 0: 2 pad columns then 4 real tokens; row 1: 6 real tokens.
-    valid = torch.tensor([[False, False, True, True, True, True], [True] * 6])
-    sums = torch.tensor([[9.0, 9.0, 4.0, 3.0, 2.0, 1.0], [6.0, 5.0, 4.0, 3.0, 2.0, 1.2]], dtype=torch.float64)
-    mean = mean_importance(sums, valid)
-    assert torch.equal(mean[0], torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64))
-    assert torch.allclose(mean[1], torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.2], dtype=torch.float64))
-    # By sum the first token wins, by mean the last one (no sinks, no recent window).
-    picked = select_rule("importance-mean").select(sums[1:], valid[1:], np.array([1]), sink_tokens=0, recent_window=0)
-    assert picked.index.tolist() == [[5]]
-    plain = select_rule("importance").select(sums[1:], valid[1:], np.array([1]), sink_tokens=0, recent_window=0)
-    assert plain.index.tolist() == [[0]]

@@ -13,7 +13,7 @@ SCHEMA_VERSION = 1
 MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "similarity-weighted")
 # Which prompt tokens a layer keeps, and which entry goes during generation (kvtool.runtime.selection
 # and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
-SELECTION_RULES = ("importance", "importance-mean", "recent", "heavy-hitter", "text-prior")
+SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
 EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter")
 # "mean": column sum / rows that can see the token (removes the causal bias toward early tokens);
 # "sum": the plain column sum the runtime ranks tokens by.

@@ -5,12 +5,11 @@ from __future__ import annotations
 from kvtool.errors import KvtoolError
 from kvtool.runtime.selection.base import Selection, SelectRule, kept_count, select_tokens
 from kvtool.runtime.selection.heavy_hitter import HeavyHitter
-from kvtool.runtime.selection.mean_importance import MeanImportance
 from kvtool.runtime.selection.recent import Recent
 from kvtool.runtime.selection.text_prior import TextPrior
 from kvtool.runtime.selection.top_importance import TopImportance
 
-SELECT_RULES: dict[str, type[SelectRule]] = {rule.name: rule for rule in (TopImportance, MeanImportance, Recent, HeavyHitter, TextPrior)}
+SELECT_RULES: dict[str, type[SelectRule]] = {rule.name: rule for rule in (TopImportance, Recent, HeavyHitter, TextPrior)}
 
 
 def select_rule(name: str) -> SelectRule:
