@@ -35,16 +35,38 @@ def eager_column_sums(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [att[0].sum(dim=1).mean(dim=0) for att in out.attentions]
 
 
+@pytest.mark.parametrize("path", ["cpu-blocks", "portable-chunks"])
 @pytest.mark.parametrize("lengths", [[33], [33, 20, 27]], ids=["unpadded", "padded"])
-def test_chunked_importance_equals_eager_column_sums(llama, lengths, monkeypatch):
-    # Tiny chunks so the prompt really is scored in several row blocks.
-    monkeypatch.setattr("kvtool.runtime.importance.CHUNK_ELEMENTS", 500)
+def test_chunked_importance_equals_eager_column_sums(llama, lengths, path, monkeypatch):
+    from kvtool.runtime import importance
+
+    # Tiny blocks and chunks so every prompt really is scored in several of them; the spies check it.
+    monkeypatch.setattr(importance, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(importance, "CHUNK_ELEMENTS", 500)
+    if path == "portable-chunks":
+        monkeypatch.setattr(importance, "_blocked_applies", lambda query: False)
+    split = []  # (rows per block, rows to cover) of every call
+
+    def spy(name, covered):
+        real = getattr(importance, name)
+
+        def counted(*args):
+            rows = real(*args)
+            split.append((rows, covered(*args)))
+            return rows
+
+        monkeypatch.setattr(importance, name, counted)
+
+    spy("_block_rows", lambda n_heads, m: m)
+    spy("_chunk_rows", lambda chunk_elements, row_elements: width)
     seqs = prompts(lengths)
     inputs = left_pad(seqs)
     width = inputs["input_ids"].shape[1]
     with torch.no_grad(), attach(llama, uniform_profile(llama, 1.0)) as handle:
         cache = handle.new_cache(record_importance=True)
         llama(**inputs, past_key_values=cache)
+    assert len(split) == len(llama.model.layers) * (len(seqs) if path == "cpu-blocks" else 1)
+    assert all(rows < covered for rows, covered in split)
     for i, seq in enumerate(seqs):
         want = eager_column_sums(llama, seq[None])
         pad = width - len(seq)
@@ -217,7 +239,7 @@ def test_fused_prompt_attention_matches_sdpa(padded):
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)[0]
-    got, importance = attention_with_importance(q, k, v_dirty, mask, 0.35, chunk_elements=700)
+    got, importance = attention_with_importance(q, k, v_dirty, mask, 0.35)
     chunked_out, chunked_importance = _chunked_attention(q, k, v_dirty, mask, 0.35, 700)
     assert torch.allclose(got, chunked_out, atol=1e-12)  # the CPU blocked path and the portable one agree
     assert torch.allclose(importance, chunked_importance, atol=1e-10)

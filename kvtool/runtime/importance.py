@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-# Elements of one chunk's score tensor; 2**24 floats = 64 MiB in float32.
+# Elements of one chunk's score tensor on the portable path; 2**24 floats = 64 MiB in float32.
+# Read when a call starts (not bound as a default), so a test can shrink it to force many chunks.
 CHUNK_ELEMENTS = 2**24
 
 
@@ -22,8 +23,6 @@ def attention_importance(
     keys: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-    *,
-    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Column sums of the causal attention probabilities over all query rows, averaged over query heads.
 
@@ -37,7 +36,7 @@ def attention_importance(
         fused = _blocked_attention_with_importance(query, keys, keys[..., :0], mask, scaling)
         if fused is not None:
             return fused[1]
-    _, importance = _chunked_attention(query, keys, None, mask, scaling, chunk_elements)
+    _, importance = _chunked_attention(query, keys, None, mask, scaling, CHUNK_ELEMENTS)
     return importance
 
 
@@ -47,8 +46,6 @@ def attention_with_importance(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-    *,
-    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention output ([B, n, Hq, D], sdpa_attention_forward's layout) and the importance.
 
@@ -59,8 +56,7 @@ def attention_with_importance(
         fused = _blocked_attention_with_importance(query, keys, values, mask, scaling)
         if fused is not None:
             return fused
-    out, importance = _chunked_attention(query, keys, values, mask, scaling, chunk_elements)
-    return out, importance
+    return _chunked_attention(query, keys, values, mask, scaling, CHUNK_ELEMENTS)
 
 
 def _blocked_applies(query: torch.Tensor) -> bool:
@@ -109,7 +105,13 @@ def _blocked_attention_with_importance(query, keys, values, mask, scaling):
 
 # Score elements per row block: 2**22 float32 = 16 MiB, small enough to stay in cache between the
 # softmax, the output GEMM and the column sum (measured fastest on a 2-core CPU at 4096 tokens).
+# Read when a call starts, like CHUNK_ELEMENTS.
 BLOCK_ELEMENTS = 2**22
+
+
+def _block_rows(n_heads: int, m: int) -> int:
+    """Query rows per block of the CPU path, for `n_heads` query heads over `m` keys."""
+    return max(16, min(256, BLOCK_ELEMENTS // max(1, n_heads * m)))
 
 
 def _causal_blocks(query, keys, values, scaling):
@@ -121,7 +123,7 @@ def _causal_blocks(query, keys, values, scaling):
     k_t = keys.transpose(1, 2)  # [Hkv, D, m]
     out = query.new_empty(n_kv_heads, groups, m, values.shape[-1])
     total = torch.zeros(m, dtype=query.dtype, device=query.device)
-    rows = max(16, min(256, BLOCK_ELEMENTS // max(1, n_heads * m)))
+    rows = _block_rows(n_heads, m)
     future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
@@ -165,7 +167,7 @@ def _chunked_attention(
         out = torch.empty(bsz, n_kv_heads, groups, n_q, values.shape[-1], dtype=acc, device=device)
     offset = n_k - n_q  # queries are the last n_q positions
     total = torch.zeros(bsz, n_k, dtype=acc, device=device)
-    rows = max(1, chunk_elements // max(1, bsz * n_heads * n_k))
+    rows = _chunk_rows(chunk_elements, bsz * n_heads * n_k)
     for r0 in range(0, n_q, rows):
         r1 = min(n_q, r0 + rows)
         end = offset + r1  # causal: no row of this chunk sees a key at or past `end`
@@ -192,6 +194,11 @@ def _chunked_attention(
     if out is not None:
         out = out.reshape(bsz, n_heads, n_q, -1).transpose(1, 2).contiguous().to(query.dtype)
     return out, total / n_heads
+
+
+def _chunk_rows(chunk_elements: int, row_elements: int) -> int:
+    """Query rows per chunk of the portable path, for score rows of `row_elements` each."""
+    return max(1, chunk_elements // max(1, row_elements))
 
 
 def decode_attention_with_scores(
