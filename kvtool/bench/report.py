@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.bench.measure import CACHES, LABELS, BenchResult, CacheStats
+from kvtool.units import human_bytes
 
 # Keys of each of "full", "compressed" and "ceiling" in the JSON object.
 CACHE_KEYS = ("prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes", "kv_slots")
@@ -49,12 +50,6 @@ def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[st
     }
 
 
-def _bytes(count: int) -> str:
-    from kvtool.cli.generate import human_bytes
-
-    return human_bytes(count)
-
-
 def bench_table(result: BenchResult) -> Table:
     table = Table(title="median of the measured runs", title_justify="left")
     table.add_column("cache", style="bold", no_wrap=True)
@@ -71,8 +66,8 @@ def bench_table(result: BenchResult) -> Table:
             f"{stats.prefill_s:.3f}",
             f"{stats.decode_tok_s:.1f}",
             f"{stats.end_to_end_tok_s:.1f}",
-            _bytes(stats.kv_bytes),
-            _bytes(stats.peak_memory_bytes),
+            human_bytes(stats.kv_bytes),
+            human_bytes(stats.peak_memory_bytes),
         )
     return table
 

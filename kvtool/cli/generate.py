@@ -13,6 +13,7 @@ from rich.text import Text
 
 from kvtool.cli.app import app
 from kvtool.errors import KvtoolError
+from kvtool.units import human_bytes
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
     from kvtool.models import LoadedModel
@@ -39,15 +40,6 @@ def choose_profile(loaded: LoadedModel, budget: float | None, profile_path: Path
     if shipped is not None:
         return load_profile(shipped), f"built-in calibrated profile {shipped.name} (budget {budget:g})"
     return uniform_profile(loaded.model, budget), f"uniform profile: ratio {budget:g} in every layer"
-
-
-def human_bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def result_to_dict(model_name: str, result: GenerationResult, cache_note: str) -> dict[str, Any]:
