@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvtool.calibrate.runner import calibrate
-from kvtool.models import load_model
+from kvtool.models import load_model, use_offline_defaults
+
+use_offline_defaults()  # before the imports below load transformers, which reads them once
+
+from kvtool.calibrate.runner import calibrate  # noqa: E402
 
 
 def main() -> None:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvtool.bench import BenchConfig, bench_dict, long_prompts, run_bench
-from kvtool.models import load_model
-from kvtool.runtime import uniform_profile
+from kvtool.models import load_model, use_offline_defaults
+
+use_offline_defaults()  # before the imports below load transformers, which reads them once
+
+from kvtool.bench import BenchConfig, bench_dict, long_prompts, run_bench  # noqa: E402
+from kvtool.runtime import uniform_profile  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

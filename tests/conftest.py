@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import kvtool.models  # noqa: F401  (sets the offline/quiet HF env before transformers loads)
+from kvtool.models import use_offline_defaults
+
+# The CLI's offline/quiet defaults for the whole session, before anything imports transformers.
+use_offline_defaults()
 
 _WORDS = (
     "User Assistant : , . ! ? hi hello tell me a story once upon time there was the cat dog sat on mat "

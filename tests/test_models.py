@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,51 @@ def test_batch_is_left_padded(tiny_llama_dir: Path) -> None:
     assert batch["input_ids"][0, 0].item() == tokenizer.pad_token_id
     # Exactly one BOS per prompt: the formatted text carries it, tokenization adds none.
     assert (batch["input_ids"][1] == tokenizer.bos_token_id).sum().item() == 1
+
+
+# --- process environment -----------------------------------------------------------------------
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter whose environment lacks kvtool's defaults (this test
+    session has set them), with this checkout importable."""
+    from kvtool.models.hf_env import _ENV_DEFAULTS
+
+    env = {key: value for key, value in os.environ.items() if key not in _ENV_DEFAULTS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_importing_any_kvtool_module_leaves_the_environment_alone() -> None:
+    done = _child(
+        # transformers' modeling utilities import torch's inductor config, which sets
+        # TORCHINDUCTOR_CACHE_DIR on import: theirs, not kvtool's, so they load before the snapshot.
+        "import importlib, os, pkgutil, transformers.modeling_utils\n"
+        "before = dict(os.environ)\n"
+        "import kvtool\n"
+        "names = [m.name for m in pkgutil.walk_packages(kvtool.__path__, 'kvtool.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "changed = sorted(set(os.environ.items()) ^ set(before.items()))\n"
+        "assert not changed, changed\n"
+        "assert 'kvtool.models' in names and 'kvtool.runtime.attention' in names\n"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_offline_defaults_are_set_by_the_entry_point_and_keep_user_choices() -> None:
+    done = _child(
+        "import os, sys\n"
+        "os.environ['TRANSFORMERS_VERBOSITY'] = 'info'\n"
+        "sys.argv = ['kvtool', '--help']\n"
+        "from kvtool.cli.app import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('TQDM_DISABLE'), os.environ['TRANSFORMERS_VERBOSITY'])\n"
+        # They only work if set before transformers is first imported, which --help never does.
+        "print('transformers' in sys.modules)\n"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == ["1 1 info", "False"]

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import kvtool.models  # noqa: F401  (first: sets the offline/quiet HF env before transformers loads)
 from kvtool.bench.config import WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchConfig
 from kvtool.bench.peak import peak_memory_method, release_memory, track_peak
 from kvtool.errors import KvtoolError

@@ -7,6 +7,7 @@ import sys
 import typer
 
 from kvtool.errors import KvtoolError
+from kvtool.models import use_offline_defaults
 
 app = typer.Typer(
     help="Calibrate per-layer KV-cache budgets offline and apply them at generation time.",
@@ -24,6 +25,8 @@ def _register() -> None:
 
 
 def main() -> None:
+    # First: transformers and huggingface_hub read these defaults once, when a command imports them.
+    use_offline_defaults()
     _register()
     try:
         app(standalone_mode=False)

@@ -1,13 +1,14 @@
-"""Find, load and prompt the models kvtool runs (aliases, HF directories, GGUF files, cached hub ids)."""
+"""Find, load and prompt the models kvtool runs (aliases, HF directories, GGUF files, cached hub ids).
 
-from kvtool.models.hf_env import configure_environment
+Importing this package leaves `os.environ` alone; `use_offline_defaults()` sets kvtool's offline and
+quiet Hugging Face defaults (the CLI calls it first; library users call it before importing transformers).
+"""
 
-# Before anything below can import transformers/huggingface_hub (they read these env vars once).
-configure_environment()
-
-from kvtool.models.loader import LoadedModel, eos_token_ids, load_model, prepare_tokenizer  # noqa: E402
-from kvtool.models.prompts import format_prompts  # noqa: E402
-from kvtool.models.resolve import ALIASES, DEFAULT_MODEL, ModelSource, resolve  # noqa: E402
+from kvtool.models.hf_env import use_offline_defaults
+from kvtool.models.loader import LoadedModel, eos_token_ids, load_model, prepare_tokenizer
+from kvtool.models.prompts import format_prompts
+from kvtool.models.resolve import ALIASES, DEFAULT_MODEL, ModelSource, resolve
+from kvtool.models.vision import image_token_ids
 
 __all__ = [
     "eos_token_ids",
@@ -16,7 +17,9 @@ __all__ = [
     "LoadedModel",
     "ModelSource",
     "format_prompts",
+    "image_token_ids",
     "load_model",
     "prepare_tokenizer",
     "resolve",
+    "use_offline_defaults",
 ]

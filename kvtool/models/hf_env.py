@@ -1,8 +1,8 @@
 """Keep Hugging Face libraries offline and quiet, so `--json` stdout stays pure JSON.
 
-The environment defaults only take effect if set before `transformers`/`huggingface_hub` are
-first imported (they read them into module constants), hence `configure_environment()` runs when
-`kvtool.models` is imported. `setdefault` leaves any explicit user choice alone.
+Importing kvtool changes nothing in the process environment: a library user's settings are theirs.
+The `kvtool` command calls `use_offline_defaults()` first thing; library code that wants the same
+behaviour calls it itself, before anything imports `transformers` or `huggingface_hub`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,20 @@ _ENV_DEFAULTS = {
 }
 
 
-def configure_environment() -> None:
+def use_offline_defaults() -> None:
+    """Set kvtool's defaults for the Hugging Face libraries in `os.environ`: offline hub, no telemetry,
+    no progress bars, transformers logging at `error`, no tokenizers fork warning.
+
+    Call it before `transformers`, `huggingface_hub` or `tqdm` are first imported: they read these
+    variables into module constants once, so a later call changes the environment but not their
+    behaviour. Variables already set (by the user) are left as they are.
+    """
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
 
 def quiet_transformers() -> None:
     """Silence transformers' logger and tqdm bars (they otherwise write to stderr mid-output)."""
-    configure_environment()
     from transformers.utils import logging
 
     logging.set_verbosity_error()

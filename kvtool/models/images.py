@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import KvtoolError
+from kvtool.models.prompts import default_bos
+from kvtool.models.vision import image_token_ids
 
 IMAGE_PLACEHOLDER = "<image>"
 _PLAIN = "USER: {body} ASSISTANT:"
@@ -74,14 +76,12 @@ def format_image_prompt(processor: Any, prompt: str, images: int, where: str) ->
                 content.append({"type": "text", "text": piece.strip()})
         messages = [{"role": "user", "content": content}]
         return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    from kvtool.models.prompts import _default_bos
-
     token = processor.image_token
     if prompt.count(IMAGE_PLACEHOLDER):
         body = token.join(pieces)
     else:
         body = token * images + "\n" + prompt
-    return _default_bos(processor.tokenizer) + _PLAIN.format(body=body)
+    return default_bos(processor.tokenizer) + _PLAIN.format(body=body)
 
 
 def encode_image_prompt(processor: Any, prompt: str, paths: Sequence[str], where: str) -> tuple[list[int], dict[str, Any]]:
@@ -100,8 +100,6 @@ def encode_image_prompt(processor: Any, prompt: str, paths: Sequence[str], where
 
 def no_image_support(config: Any, name: str, where: str) -> KvtoolError:
     """The error for a record with images on a model loaded without a processor."""
-    from kvtool.runtime.attach import image_token_ids
-
     if not image_token_ids(config):
         return KvtoolError(
             f"{where}: has \"images\" but {name} is a text-only model (its config has no image token); "

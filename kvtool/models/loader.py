@@ -10,22 +10,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtool.errors import KvtoolError
 from kvtool.models.convert import ensure_converted
 from kvtool.models.hf_env import quiet_transformers
 from kvtool.models.resolve import DEFAULT_MODEL, ModelSource, resolve
 
+if TYPE_CHECKING:
+    import torch
+
+# Names of torch dtypes, looked up when a model loads: importing kvtool.models stays free of torch, so
+# the CLI can set the Hugging Face environment defaults (and print --help) without paying for it.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
@@ -43,12 +46,14 @@ class LoadedModel:
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    import torch
+
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[dtype.lower()]
+        return getattr(torch, _DTYPES[dtype.lower()])
     except KeyError:
         raise KvtoolError(f"unknown dtype '{dtype}' (use one of: {', '.join(_DTYPES)})") from None
 

@@ -29,7 +29,7 @@ def _has_tokens(tokenizer: Any, *tokens: str) -> bool:
     return all(token in vocab for token in tokens)
 
 
-def _default_bos(tokenizer: Any) -> str:
+def default_bos(tokenizer: Any) -> str:
     """The BOS text the tokenizer would add on its own, or "" if it adds none."""
     bos = tokenizer.bos_token
     if bos is None:
@@ -51,5 +51,5 @@ def format_prompts(tokenizer: Any, prompts: list[str]) -> list[str]:
     if _has_tokens(tokenizer, "<start_of_turn>", "<end_of_turn>"):
         bos = tokenizer.bos_token or ""
         return [bos + _GEMMA_TURN.format(prompt=prompt) for prompt in prompts]
-    bos = _default_bos(tokenizer)
+    bos = default_bos(tokenizer)
     return [bos + _PLAIN.format(prompt=prompt) for prompt in prompts]

@@ -7,13 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
-# kvtool.models first: importing it sets the offline/quiet HF env defaults transformers reads once.
-from kvtool.models.loader import eos_token_ids
-from kvtool.models.prompts import format_prompts
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList  # noqa: I001
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from kvtool.errors import KvtoolError
+from kvtool.models.loader import eos_token_ids
+from kvtool.models.prompts import format_prompts
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
 
 
