@@ -4,6 +4,10 @@ A directory (or cached hub id) whose config is a vision-language one (a `vision_
 `AutoModelForImageTextToText` knows) loads as that model, with the processor saved beside it when
 `AutoProcessor` finds one offline (`LoadedModel.processor`; None for text models and for a VLM saved
 without its processor, which then takes text prompts only). Text models load exactly as before.
+
+torch and transformers are imported inside the functions that use them: importing kvtool.models
+stays cheap for `kvtool --help`, and loads nothing that reads the environment before the CLI has
+called `use_offline_defaults()`.
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ from kvtool.models.resolve import DEFAULT_MODEL, ModelSource, resolve
 if TYPE_CHECKING:
     import torch
 
-# Names of torch dtypes, looked up when a model loads: importing kvtool.models stays free of torch, so
-# the CLI can set the Hugging Face environment defaults (and print --help) without paying for it.
+# Names of torch dtypes, looked up when a model loads (torch is imported there, see above).
 _DTYPES = {
     "float32": "float32",
     "fp32": "float32",

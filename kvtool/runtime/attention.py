@@ -14,8 +14,9 @@ calls `past_key_values.update(key, value, self.layer_idx)` with it. So `attach` 
 pre-hook on the model (torch's public hook API) that passes each call's KvtoolCache on under
 `CACHE_KWARG`, and the attention function reads `cache.layers[module.layer_idx]`: the layer the
 module has just updated, by the very index it updated it with. Each call carries its own cache, so
-nothing is global, nothing is matched by tensor identity, and threads or interleaved caches cannot
-mix layers up.
+no state outside the call is needed and threads or interleaved caches cannot mix layers up. A
+forward on a sub-module (say `model.model`) bypasses the hook: its kvtool cache stays uncompressed
+and the next forward refuses it with a one-line error (CompressingLayer.update).
 """
 
 from __future__ import annotations
