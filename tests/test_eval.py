@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtool.calibrate.batches import encode_prompt
-from kvtool.calibrate.data import load_jsonl
+from kvtool.data import load_jsonl
 from kvtool.evaluate import EvalConfig, evaluate
 from kvtool.evaluate.metrics import mean_rouge_l, rouge_l_f1
 from kvtool.models import load_model
+from kvtool.scoring import encode_prompt
 from cli_runner import run
 
 WORDS = "the cat dog sat on mat and it ran away to house big small red blue green one two three".split()
