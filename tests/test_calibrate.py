@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import make_word_tokenizer
-from kvtool.calibrate.data import Record, dataset_hash, load_jsonl, packaged_data, select_samples
-from kvtool.calibrate.runner import calibrate, check_writable, default_out_path
-from kvtool.calibrate.truncation import DEFAULT_CANDIDATES
+from kvtool.calibrate.config import DEFAULT_CANDIDATES, CalibrateConfig
+from kvtool.calibrate.runner import calibrate, check_writable
+from kvtool.data import Record, dataset_hash, load_jsonl, select_samples
 from kvtool.errors import KvtoolError
 from kvtool.models import LoadedModel, prepare_tokenizer
 from kvtool.profiles import profile_to_dict, read_profile, save_profile
@@ -85,6 +85,18 @@ def test_same_inputs_and_seed_give_the_same_profile(tiny: LoadedModel, result) -
     other_seed = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=3, **FAST)
     assert other_seed.profile.calibration.dataset_hash != result.profile.calibration.dataset_hash
     assert [r.where for r in other_seed.samples] != [r.where for r in result.samples]
+
+
+def test_a_config_runs_as_its_keywords_do(tiny: LoadedModel, result) -> None:
+    config = CalibrateConfig(samples=4, seed=1, **FAST)
+    again = calibrate(tiny, 0.3, data=word_prompts(6), config=config)
+    assert without_run_facts(again.profile) == without_run_facts(result.profile)
+    # Keywords override the config's fields; names that are no field are refused before any work.
+    other = calibrate(tiny, 0.3, data=word_prompts(6), config=config, seed=3, candidates=())
+    assert [r.where for r in other.samples] != [r.where for r in result.samples] and other.truncation is None
+    for removed in ({"curve_importance": "sum"}, {"uniform_ratios": True}):
+        with pytest.raises(TypeError):
+            calibrate("no-such-model", 0.3, **removed)
 
 
 @pytest.mark.parametrize("budget", [0.1, 0.3, 0.55, 0.9])
@@ -184,70 +196,12 @@ def test_long_prompts_are_cut_to_max_prompt_tokens(tiny: LoadedModel) -> None:
     assert run.profile.calibration.prompt_tokens.max <= 64
 
 
-# --------------------------------------------------------------------------- data files
+# --------------------------------------------------------------------------- data files (their own tests: test_data.py)
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
-
-
-def test_shipped_data_has_enough_long_prompts() -> None:
-    calibration, evaluation = load_jsonl(), load_jsonl(packaged_data("evaluation.jsonl"))
-    assert len(calibration) >= 24 and len(evaluation) >= 20
-    assert not {r.prompt for r in calibration} & {r.prompt for r in evaluation}
-    assert all(len(r.prompt) > 1500 for r in calibration)
-
-
-def test_shipped_evaluation_never_sees_a_calibration_source() -> None:
-    def sources(name: str) -> set[str]:
-        lines = packaged_data(name).read_text(encoding="utf-8").splitlines()
-        # "topic A + topic B, Python 3.11.7": every source text a prompt was built from
-        labels = (json.loads(line)["source"].rsplit(", Python", 1)[0] for line in lines)
-        return {part for label in labels for part in label.split(" + ")}
-
-    calibration, evaluation = sources("calibration.jsonl"), sources("evaluation.jsonl")
-    assert len(evaluation) >= 40
-    assert not calibration & evaluation
-
-
-def test_selection_and_hash_follow_the_seed(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": f"prompt {i}"}) for i in range(10)])
-    records = load_jsonl(path)
-    first, again = select_samples(records, 4, seed=3), select_samples(records, 4, seed=3)
-    assert first == again and len(set(first)) == 4
-    assert dataset_hash(first) == dataset_hash(again) != dataset_hash(select_samples(records, 4, seed=4))
-    # Line endings and surrounding whitespace are normalized before hashing.
-    crlf = write_lines(tmp_path / "e.jsonl", [json.dumps({"prompt": f" prompt {i}\r\n"}) for i in range(10)])
-    assert dataset_hash(select_samples(load_jsonl(crlf), 4, seed=3)) == dataset_hash(first)
-    with pytest.raises(KvtoolError, match="asked for 11 samples but .* has only 10 prompts"):
-        select_samples(records, 11, seed=0)
-
-
-@pytest.mark.parametrize(
-    ("lines", "message"),
-    [
-        ([], "no prompts (the file is empty)"),
-        (["", "   "], "no prompts (the file is empty)"),
-        (['{"prompt": "a"}', '{"prompt": "b",}'], "line 2: not valid JSON"),
-        (['{"prompt": "a"}', "", '["x"]'], "line 3: expected a JSON object"),
-        (['{"answer": "a"}'], 'line 1: missing the "prompt" field'),
-        (['{"prompt": "  "}'], 'line 1: "prompt" is empty'),
-        (['{"prompt": 3}'], 'line 1: "prompt" must be a string'),
-        (['{"prompt": "a", "answer": 3}'], 'line 1: "answer" must be a string or null'),
-    ],
-)
-def test_bad_data_files_name_the_problem(tmp_path: Path, lines: list[str], message: str) -> None:
-    path = write_lines(tmp_path / "bad.jsonl", lines)
-    with pytest.raises(KvtoolError) as caught:
-        load_jsonl(path)
-    assert message in str(caught.value) and str(path) in str(caught.value)
-    assert "\n" not in str(caught.value)
-
-
-def test_missing_data_file(tmp_path: Path) -> None:
-    with pytest.raises(KvtoolError, match="no such data file"):
-        load_jsonl(tmp_path / "nope.jsonl")
 
 
 # --------------------------------------------------------------------------- bad inputs leave no file
@@ -295,12 +249,6 @@ def test_unwritable_out_fails_before_the_model_runs(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert check_writable(tmp_path / "new" / "dir" / "p.yaml") == tmp_path / "new" / "dir" / "p.yaml"
     assert not (tmp_path / "new").exists()
-
-
-def test_default_out_path() -> None:
-    assert default_out_path("smollm2", 0.2) == Path("profiles/smollm2-b0.2.yaml")
-    assert default_out_path("/models/tiny-llama/", 0.5) == Path("profiles/tiny-llama-b0.5.yaml")
-    assert default_out_path("m/SmolLM2.Q4.gguf", 0.25) == Path("profiles/SmolLM2.Q4-b0.25.yaml")
 
 
 # --------------------------------------------------------------------------- re-budgeting a profile
@@ -352,7 +300,7 @@ def tiny_profile_with_curves(tiny: LoadedModel):
 def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
     """The truncation search builds its compressed caches from the full pass's recorded state; they
     must match what a prompt forward through the calibrated cache stores, and decode the same."""
-    from kvtool.calibrate.batches import left_pad
+    from kvtool.scoring import left_pad
     from kvtool.calibrate.truncation import compress_recorded_prompt
     from tiny_models import profile_with
 
@@ -408,7 +356,7 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     assert compressed_ratios(load_profile(path, budget=0.35)).mean() == pytest.approx(0.35, abs=1e-12)
 
 
-# --------------------------------------------------------------------------- curve importance
+# --------------------------------------------------------------------------- curve importance and merge mode
 
 
 def test_per_row_mean_removes_the_causal_bias() -> None:
@@ -426,19 +374,6 @@ def test_per_row_mean_removes_the_causal_bias() -> None:
     from kvtool.calibrate.lorenz import gini_from_importance
 
     assert gini_from_importance(mean) < gini_from_importance(plain)
-
-
-def test_curve_importance_is_recorded_and_changes_the_curves(tiny: LoadedModel, result) -> None:
-    plain = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, curve_importance="sum", **FAST)
-    assert result.profile.calibration.curve_importance == "mean"
-    assert plain.profile.calibration.curve_importance == "sum"
-    assert not np.allclose(result.stats.curves, plain.stats.curves)
-    assert compressed_ratios(plain.profile).mean() == pytest.approx(0.3, abs=1e-9)
-
-
-def test_unknown_curve_importance_is_refused(tiny: LoadedModel) -> None:
-    with pytest.raises(KvtoolError, match="curve importance must be one of mean, sum"):
-        calibrate(tiny, 0.3, data=word_prompts(6), samples=4, curve_importance="median", **FAST)
 
 
 def test_profile_with_unknown_curve_importance_is_refused(result, tmp_path: Path) -> None:
@@ -466,3 +401,24 @@ def test_merge_mode_is_chosen_with_d_by_calibration_ppl(tiny: LoadedModel, resul
 def test_unknown_merge_mode_is_refused(tiny: LoadedModel) -> None:
     with pytest.raises(KvtoolError, match="unknown merge mode 'blend'"):
         calibrate(tiny, 0.3, data=word_prompts(4), samples=3, merge_modes=("position", "blend"))
+
+
+def test_ablation_script_rebuilds_the_removed_variants(tiny: LoadedModel, result, tmp_path: Path) -> None:
+    """benchmarks/calibration_curves.py assembles sum curves and uniform ratios from calibration's
+    steps; its mean-curve run must be calibrate()'s own."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration_curves.py"
+    spec = importlib.util.spec_from_file_location("calibration_curves", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data = write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": r.prompt}) for r in word_prompts(6)])
+    report = module.compare(tiny, 0.3, CalibrateConfig(samples=4, seed=1, **FAST), data=data)
+    mean, plain, uniform = report["prefixkv-mean-curves"], report["prefixkv-sum-curves"], report["uniform"]
+    assert mean["ppl"] == round(result.truncation.ppl_compressed, 4) and mean["best_D"] == result.truncation.best
+    assert mean["merge"] == result.profile.method.merge
+    assert mean["ratios"] == [round(r, 3) for r in result.profile.ratios]
+    # Plain column sums look concentrated on early tokens in every layer: other ratios, same budget.
+    assert plain["ratios"] != mean["ratios"] and np.mean(plain["ratios"]) == pytest.approx(0.3, abs=2e-3)
+    assert uniform["ratios"] == [0.3] * 3
+    assert mean["ppl_full"] == plain["ppl_full"] == uniform["ppl_full"]  # the same references

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvtool.calibrate.batches import Encoded, left_pad, model_positions
-from kvtool.calibrate.data import load_jsonl
-from kvtool.calibrate.runner import prompt_forward
 from kvtool.calibrate.statistics import PromptImages, kept_image_share
-from kvtool.calibrate.truncation import compress_recorded_prompt, reference_continuations
+from kvtool.calibrate.truncation import compress_recorded_prompt
+from kvtool.data import load_jsonl
 from kvtool.errors import KvtoolError
 from kvtool.profiles import read_profile
 from kvtool.runtime import attach, method_profile, uniform_profile
+from kvtool.scoring import Encoded, left_pad, model_positions, prompt_forward, reference_continuations
 from tiny_vlms import BUILDERS, IMAGE_TOKEN, save_tiny_llava
 from cli_runner import run
 
@@ -111,7 +110,7 @@ def test_bad_images_field_names_the_line(tmp_path: Path, images, fragment) -> No
 
 
 def test_dataset_hash_covers_image_content_not_text_records(tmp_path: Path) -> None:
-    from kvtool.calibrate.data import Record, dataset_hash
+    from kvtool.data import Record, dataset_hash
 
     a, b = write_png(tmp_path / "a.png", 8, 8, seed=0), write_png(tmp_path / "b.png", 8, 8, seed=1)
     text = Record(prompt="the cat")

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtool.calibrate.data import load_jsonl
 from kvtool.calibrate.runner import calibrate
+from kvtool.data import load_jsonl
 from kvtool.cli.app import main
 from kvtool.profiles import read_profile
 from cli_runner import run
@@ -98,10 +98,18 @@ def test_bad_input_is_one_line_and_leaves_no_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_default_out_path() -> None:
+    from kvtool.cli.calibrate import default_out_path
+
+    assert default_out_path("smollm2", 0.2) == Path("profiles/smollm2-b0.2.yaml")
+    assert default_out_path("/models/tiny-llama/", 0.5) == Path("profiles/tiny-llama-b0.5.yaml")
+    assert default_out_path("m/SmolLM2.Q4.gguf", 0.25) == Path("profiles/SmolLM2.Q4-b0.25.yaml")
+
+
 def test_reference_tokens_default_is_the_library_default() -> None:
     import inspect
 
-    from kvtool.calibrate.truncation import REFERENCE_TOKENS
+    from kvtool.calibrate.config import REFERENCE_TOKENS
     from kvtool.cli.calibrate import calibrate_command
 
     assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS

@@ -81,14 +81,6 @@ def calibrate_command(
     max_prompt_tokens: Annotated[
         int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle to this many tokens.")
     ] = 1024,
-    curve_importance: Annotated[
-        str,
-        typer.Option(
-            "--curve-importance",
-            help="Score behind the Lorenz curves: 'mean' = column sum per row that sees the token "
-            "(no causal bias toward early tokens), 'sum' = plain column sum.",
-        ),
-    ] = "mean",
     merge: Annotated[
         str,
         typer.Option(
@@ -105,13 +97,14 @@ def calibrate_command(
             help="Length of the full-cache continuations the D search teacher-forces; match the generation "
             "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens).",
         ),
-    ] = 64,  # kvtool.calibrate.truncation.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
+    ] = 64,  # kvtool.calibrate.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
 ) -> None:
     """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
     passive_openmp()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.calibrate.budget import check_budget
-    from kvtool.calibrate.runner import DEFAULT_MERGE_MODES, calibrate, check_writable, default_out_path
+    from kvtool.calibrate.config import DEFAULT_MERGE_MODES, CalibrateConfig
+    from kvtool.calibrate.runner import calibrate, check_writable
     from kvtool.profiles import MERGE_MODES, MethodSettings
 
     if merge != "auto" and merge not in MERGE_MODES:
@@ -119,22 +112,25 @@ def calibrate_command(
 
     model_budget = check_budget(budget)
     dest = check_writable(out if out is not None else default_out_path(model, model_budget))
+    config = CalibrateConfig(
+        samples=samples,
+        seed=seed,
+        max_prompt_tokens=max_prompt_tokens,
+        method=MethodSettings() if merge == "auto" else MethodSettings(merge=merge),
+        merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
+        reference_tokens=reference_tokens,
+    )
     with StageBars(Console(stderr=True)) as bars:
-        result = calibrate(
-            model,
-            model_budget,
-            data=data,
-            samples=samples,
-            seed=seed,
-            max_prompt_tokens=max_prompt_tokens,
-            out=dest,
-            curve_importance=curve_importance,
-            method=None if merge == "auto" else MethodSettings(merge=merge),
-            merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
-            reference_tokens=reference_tokens,
-            progress=bars,
-        )
+        result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)
     render_summary(Console(), result)
+
+
+def default_out_path(model_name: str, budget: float) -> Path:
+    """`profiles/<model>-b<budget>.yaml`, the model reduced to a file-name-safe last component."""
+    base = model_name.rstrip("/\\")
+    stem = Path(base).stem if base.lower().endswith(".gguf") else Path(base).name
+    stem = stem.replace(os.sep, "-").replace("/", "-") or "model"
+    return Path("profiles") / f"{stem}-b{budget:g}.yaml"
 
 
 def render_summary(console: Console, result: CalibrationResult) -> None:

@@ -82,7 +82,7 @@ def eval_command(
     cache's, and the physical KV bytes kept. References are the data's answers, else the full cache's
     greedy output."""
     passive_openmp()
-    from kvtool.calibrate.data import load_jsonl
+    from kvtool.data import load_jsonl
     from kvtool.calibrate.runner import check_writable
     from kvtool.evaluate import EvalConfig, evaluate
     from kvtool.runtime import load_profile

@@ -1,4 +1,4 @@
-"""Quality metrics: pooled perplexity and ROUGE-L F1 (via the `rouge-score` package)."""
+"""Quality metrics: ROUGE-L F1 (via the `rouge-score` package) and the standard error of a mean."""
 
 from __future__ import annotations
 
@@ -20,12 +20,6 @@ def rouge_l_f1(prediction: str, target: str) -> float:
     if not prediction.strip() and not target.strip():
         return 1.0
     return float(_scorer().score(target, prediction)["rougeL"].fmeasure)
-
-
-def mean_rouge_l(predictions: Sequence[str], targets: Sequence[str]) -> float:
-    if len(predictions) != len(targets) or not predictions:
-        raise ValueError("need as many predictions as targets, at least one")
-    return sum(rouge_l_f1(p, t) for p, t in zip(predictions, targets)) / len(predictions)
 
 
 def standard_error(values: Sequence[float]) -> float:

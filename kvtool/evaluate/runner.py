@@ -18,16 +18,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtool.calibrate.batches import Batch, make_batches
+import torch
+
 from kvtool.calibrate.budget import check_budget
-from kvtool.calibrate.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
-from kvtool.calibrate.runner import encode_answers, encode_samples, prompt_forward
-from kvtool.calibrate.truncation import NllTotal, References, reference_continuations, teacher_forced_nll
+from kvtool.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
 from kvtool.errors import KvtoolError
 from kvtool.evaluate.metrics import rouge_l_f1
 from kvtool.evaluate.results import EvalReport, MethodResult
+from kvtool.models.loader import as_loaded, eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime.methods import get_method
+from kvtool.scoring import (
+    Batch,
+    NllTotal,
+    References,
+    encode_batches,
+    prompt_forward,
+    reference_continuations,
+    teacher_forced_nll,
+)
 
 Progress = Callable[[str, int, int], None]
 Notify = Callable[[str], None]
@@ -84,8 +93,6 @@ def _texts(tokenizer: Any, refs: References) -> list[str]:
 
 class _Evaluation:
     def __init__(self, loaded: Any, config: EvalConfig, progress: Progress) -> None:
-        from kvtool.models.loader import eos_token_ids
-
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -165,10 +172,6 @@ def evaluate(
     prompts made first (announced through `notify`). Every method shares that profile's sink
     tokens, recent window and truncation distance.
     """
-    import torch
-
-    from kvtool.calibrate.runner import _load
-
     started = time.perf_counter()
     config = config.checked()
     report = progress or _no_progress
@@ -177,17 +180,14 @@ def evaluate(
     records = tuple(data) if isinstance(data, Sequence) and not isinstance(data, str) else load_jsonl(data or packaged_data(EVALUATION_DATA))
     if not records:
         raise KvtoolError("no evaluation prompts")
-    loaded = _load(model)
+    loaded = as_loaded(model, "evaluate")
     bases, source = _base_profiles(loaded, config, profile, report, say)
     settings = next(iter(bases.values())).method if bases else MethodSettings()
 
     _note_text_prior(loaded, config, records, say)
-    encoded = encode_samples(
-        loaded.tokenizer, records, config.max_prompt_tokens, settings,
-        processor=getattr(loaded, "processor", None), model=loaded.model, name=loaded.name,
+    batches, answers = encode_batches(
+        loaded, records, max_tokens=config.max_prompt_tokens, method=settings, batch_size=config.batch_size
     )
-    batches = make_batches(encoded, config.batch_size, loaded.tokenizer.pad_token_id, model=loaded.model)
-    answers = [encode_answers(loaded.tokenizer, records, batch.rows) for batch in batches]
     run = _Evaluation(loaded, config, report)
     results = []
     with torch.inference_mode():

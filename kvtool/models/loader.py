@@ -169,3 +169,13 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
     if configured is None:
         return set()
     return {int(t) for t in configured} if isinstance(configured, (list, tuple)) else {int(configured)}
+
+
+def as_loaded(model: Any, who: str = "kvtool") -> LoadedModel:
+    """`model` as a LoadedModel: a spec (alias, directory, .gguf, hub id) is loaded now; anything
+    with `model`, `tokenizer` and `name` is taken as it is. `who` names the caller in the error."""
+    if isinstance(model, (str, Path)):
+        return load_model(str(model))
+    if not all(hasattr(model, attr) for attr in ("model", "tokenizer", "name")):
+        raise KvtoolError(f"{who} needs a model spec or a LoadedModel, got {type(model).__name__}")
+    return model

@@ -1,4 +1,4 @@
-"""Calibration prompts as token ids: chat formatting, length limit, left-padded batches.
+"""Encoded prompts in left-padded batches, grouped by length.
 
 Positions follow `generate`: each row counts its own real tokens (cumsum of the attention mask), so
 a padded row sees the same positions as it would alone, and the per-token steps that follow
@@ -12,19 +12,17 @@ which the model fills the image tokens of the flattened batch.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvtool.models.prompts import format_prompts
-
-# Marks where a prompt over the length limit was cut (the middle goes: the instruction opens the
-# prompt and is restated at its end, so both ends carry it).
-ELISION = "\n[...]\n"
-# Share of the kept content taken from the start of the prompt; the rest comes from its end.
-HEAD_SHARE = 0.75
+from kvtool.data import Record
+from kvtool.profiles import MethodSettings
+from kvtool.scoring.encoding import Encoded, encode_answers, encode_samples
 
 
 @dataclass(frozen=True)
@@ -48,44 +46,6 @@ class Batch:
         return following if self.position_offset is None else following + self.position_offset
 
 
-def encode_prompt(tokenizer: Any, prompt: str, max_tokens: int) -> list[int]:
-    """Token ids of the chat-formatted prompt, cut in the middle to at most `max_tokens`."""
-    ids = _encode(tokenizer, prompt)
-    if len(ids) <= max_tokens:
-        return ids
-    content = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    overhead = max(len(ids) - len(content), 0) + len(tokenizer(ELISION, add_special_tokens=False)["input_ids"])
-    keep = max_tokens - overhead
-    # Re-tokenizing at the cut can merge or split a token; shrink until the result fits.
-    for _ in range(8):
-        if keep < 2:
-            break
-        head = int(keep * HEAD_SHARE)
-        text = tokenizer.decode(content[:head]) + ELISION + tokenizer.decode(content[len(content) - (keep - head) :])
-        ids = _encode(tokenizer, text)
-        if len(ids) <= max_tokens:
-            return ids
-        keep -= len(ids) - max_tokens
-    # The template alone is longer than the limit: keep its end, where the reply begins.
-    return ids[-max_tokens:]
-
-
-def _encode(tokenizer: Any, prompt: str) -> list[int]:
-    text = format_prompts(tokenizer, [prompt])[0]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One prompt's token ids and, with images, the processor's other outputs ([1, ...] tensors)."""
-
-    ids: list[int]
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
 def make_batches(encoded: Sequence[list[int] | Encoded], batch_size: int, pad_id: int, model: Any = None) -> list[Batch]:
     """Group prompts by length (less padding) into left-padded batches of at most `batch_size`.
 
@@ -107,9 +67,6 @@ def model_positions(model: Any, batch: Batch) -> Batch:
     sits at fewer positions than tokens; its own `get_rope_index` computes them (padding ignored),
     with the per-row delta that new tokens add. Other models and text batches are returned as given.
     """
-    import dataclasses
-    import inspect
-
     rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
     if rope_index is None or not any(key in batch.extras for key in ("image_grid_thw", "video_grid_thw")):
         return batch
@@ -149,3 +106,19 @@ def _batch_extras(items: Sequence[Encoded], width: int) -> dict[str, torch.Tenso
         else:
             extras[key] = torch.cat([item.extras[key] for item in items if key in item.extras])
     return extras
+
+
+def encode_batches(
+    loaded: Any, records: Sequence[Record], *, max_tokens: int, method: MethodSettings, batch_size: int
+) -> tuple[list[Batch], list[list[list[int] | None]]]:
+    """`records` as the model sees them (`encode_samples`) in left-padded batches, and per batch
+    each row's answer as token ids (None where it has none).
+
+    `loaded` is a LoadedModel (a vision-language one with its processor encodes image prompts)."""
+    tokenizer = loaded.tokenizer
+    encoded = encode_samples(
+        tokenizer, records, max_tokens, method,
+        processor=getattr(loaded, "processor", None), model=loaded.model, name=loaded.name,
+    )
+    batches = make_batches(encoded, batch_size, tokenizer.pad_token_id, model=loaded.model)
+    return batches, [encode_answers(tokenizer, records, batch.rows) for batch in batches]

@@ -1,12 +1,14 @@
-"""Calibration prompts: JSONL loading, seeded sample selection and the dataset hash.
+"""Prompt sets (calibration and evaluation): JSONL loading, seeded sample selection, the dataset hash.
 
 A data file has one JSON object per line, `{"prompt": "...", "answer": "..."}`, the answer optional
-(without one, calibration scores the model's own full-cache continuation). A line may carry
+(without one, calibration and evaluation score the model's own full-cache continuation). A line may carry
 `"images": ["a.png", ...]` for a vision-language model: paths relative to the data file's directory,
-checked to exist here and opened when the prompt is encoded (`kvtool.models.images`). Other keys are
-allowed and ignored, so a file can carry its own metadata (the shipped sets record their sources).
-Blank lines are skipped. Every problem is a one-line KvtoolError naming the file and, where there is
-one, the line.
+checked to exist here and opened when the prompt is encoded (`kvtool.models.images`). Two more optional
+fields describe a prompt for accuracy scoring: `"kind"` (what sort of task, e.g. "document",
+"retrieval") and `"answers"` (the exact answers that count as correct; unlike `"answer"`, which is a
+reference text whose perplexity is measured). Other keys are allowed and ignored, so a file can carry
+its own metadata (the shipped sets record their sources). Blank lines are skipped. Every problem is a
+one-line KvtoolError naming the file and, where there is one, the line.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class Record:
     where: str = ""
     # Absolute image paths, in the order the prompt's image placeholders take them.
     images: tuple[str, ...] = ()
+    # What sort of task the prompt is ("document", "retrieval", ...); None when the file does not say.
+    kind: str | None = None
+    # Exact answers that count as correct (accuracy scoring); empty when the file gives none.
+    answers: tuple[str, ...] = ()
 
     def describe(self, index: int) -> str:
         """`sample 3 (calibration.jsonl line 17)`: how messages name a selected sample."""
@@ -100,7 +106,32 @@ def _parse_line(line: str, where: str, base: Path) -> Record:
         answer=None if answer is None else _normalize(answer),
         where=where,
         images=_parse_images(item.get("images"), where, base),
+        kind=_parse_kind(item.get("kind"), where),
+        answers=_parse_answers(item.get("answers"), where),
     )
+
+
+def _parse_kind(value: object, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise KvtoolError(f"{where}: \"kind\" must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise KvtoolError(f"{where}: \"kind\" is empty (leave it out when the prompt has none)")
+    return value.strip()
+
+
+def _parse_answers(value: object, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        got = type(value).__name__ if not isinstance(value, list) else "a list with non-strings"
+        raise KvtoolError(f"{where}: \"answers\" must be a list of strings (the exact answers), got {got}")
+    if not value:
+        raise KvtoolError(f"{where}: \"answers\" is an empty list (leave it out when the prompt has none)")
+    if any(not a.strip() for a in value):
+        raise KvtoolError(f"{where}: \"answers\" has an empty answer")
+    return tuple(_normalize(a) for a in value)
 
 
 def _parse_images(value: object, where: str, base: Path) -> tuple[str, ...]:
@@ -135,7 +166,10 @@ def select_samples(records: Sequence[Record], samples: int, seed: int) -> tuple[
 
 def dataset_hash(records: Sequence[Record]) -> str:
     """sha256 over the selected records' normalized prompt and answer, in order, and the content
-    (not the path) of each record's images where it has any."""
+    (not the path) of each record's images where it has any.
+
+    `kind` and `answers` are left out: the model never sees them, and profiles calibrated before
+    they existed keep their hash."""
     canonical = json.dumps(
         [_hashed(r) for r in records],
         ensure_ascii=False,

@@ -1,0 +1,109 @@
+"""From measured statistics to a profile: the per-layer ratios, then the profile that records them,
+the searched D and merge mode, and what the calibration ran on."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtool import __version__
+from kvtool.calibrate.allocation import Allocation, solve_from_samples
+from kvtool.calibrate.budget import floor_for, solve_ratios, stored_p
+from kvtool.calibrate.lorenz import mean_curve
+from kvtool.calibrate.statistics import ImportanceStats
+from kvtool.calibrate.truncation import TruncationResult
+from kvtool.data import Record, dataset_hash
+from kvtool.profiles import CalibrationInfo, LayerProfile, MethodSettings, Profile, PromptStats
+
+
+@dataclass(frozen=True)
+class Allocated:
+    """The ratios of the compressing layers (stats.layers) at one budget."""
+
+    allocation: Allocation  # solved on the sample-mean curves
+    spread: np.ndarray  # [Lc] std of the per-sample solutions
+    per_sample: np.ndarray  # [S, Lc] each sample solved on its own at the same budget
+
+
+def allocate(stats: ImportanceStats, budget: float) -> Allocated:
+    """PrefixKV's ratios on the sample-mean curves, with their spread across the samples."""
+    # Same floor as budget.solve_ratios, so re-budgeting a profile reproduces this solution.
+    allocation, spread = solve_from_samples(stats.curves, budget, min_ratio=floor_for(budget))
+    per_sample = np.stack([solve_ratios(sample, budget).ratios for sample in stats.curves])
+    return Allocated(allocation=allocation, spread=spread, per_sample=per_sample)
+
+
+def build_profile(
+    fingerprint: Any,
+    budget: float,
+    method: MethodSettings,
+    stats: ImportanceStats,
+    allocated: Allocated,
+    image_share: dict[int, float] | None = None,
+) -> Profile:
+    """The profile of `allocated`'s ratios with `method`'s settings (D and merge mode as given)."""
+    curves = mean_curve(stats.curves)
+    gini = stats.layer_gini()
+    position = {layer: j for j, layer in enumerate(stats.layers)}
+    layers = []
+    for index in range(fingerprint.num_layers):
+        j = position.get(index)
+        if j is None:
+            # Sliding-window layers hold a bounded window already; kvtool leaves them alone.
+            layers.append(LayerProfile(ratio=1.0, compress=False))
+            continue
+        layers.append(
+            LayerProfile(
+                ratio=float(allocated.allocation.ratios[j]),
+                compress=True,
+                gini=float(gini[j]),
+                ratio_std=float(allocated.spread[j]),
+                priority_curve=tuple(float(v) for v in curves[j]),
+                image_share=None if image_share is None else image_share[index],
+            )
+        )
+    return Profile(
+        budget=budget,
+        model=fingerprint,
+        method=method,
+        layers=tuple(layers),
+        kvtool_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def with_method(profile: Profile, *, merge: str, truncation_distance: int) -> Profile:
+    """`profile` with the merge mode and D the search chose."""
+    method = dataclasses.replace(profile.method, merge=merge, truncation_distance=truncation_distance)
+    return dataclasses.replace(profile, method=method)
+
+
+def with_calibration(
+    profile: Profile,
+    samples: Sequence[Record],
+    stats: ImportanceStats,
+    allocation: Allocation,
+    truncation: TruncationResult | None,
+    seed: int,
+    seconds: float,
+) -> Profile:
+    """`profile` with the record of its calibration: data, retention p, the D search's PPLs."""
+    tokens = stats.prompt_tokens
+    info = CalibrationInfo(
+        dataset_hash=dataset_hash(samples),
+        samples=len(samples),
+        prompt_tokens=PromptStats(min=int(tokens.min()), mean=float(tokens.mean()), max=int(tokens.max())),
+        retention_p=stored_p(allocation.p),
+        truncation_ppl=dict(truncation.ppl) if truncation else {},
+        ppl_full=truncation.ppl_full if truncation else None,
+        ppl_compressed=truncation.ppl_compressed if truncation else None,
+        seed=seed,
+        seconds=round(seconds, 1),
+        curve_importance="mean",  # H1 removes this field (and this line)
+    )
+    return dataclasses.replace(profile, calibration=info)

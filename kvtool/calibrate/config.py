@@ -1,0 +1,76 @@
+"""What one calibration run does: prompts drawn, their length, references, D and merge candidates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles import MERGE_MODES, MethodSettings
+
+DEFAULT_SAMPLES = 10
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+# All default samples in one batch: per-token steps cost about the same for 1 row as for 10.
+DEFAULT_BATCH_SIZE = 10
+DEFAULT_CANDIDATES = (0, 8, 16, 25, 48, 96)
+# As long as kvtool eval's default generation: the fixed-point queue holds about D entries, so the
+# last D prompt entries are gone after ~D / (1 - budget) steps; 32-token references ended before
+# that and favoured a D that lost on 64-token generations (smollm2 at 0.2: D 25 -> 48, held-out
+# PPL 2.987 -> 2.809). Still a CPU calibration in minutes.
+REFERENCE_TOKENS = 64
+# Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
+DEFAULT_MERGE_MODES = ("position", "none")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """Settings of a calibration run; `checked()` validates them before any model work.
+
+    `samples` prompts are drawn with `seed`; prompts longer than `max_prompt_tokens` are cut in the
+    middle. `method` gives the sinks, recent window and the D kept when the search is skipped
+    (empty `candidates`). Every D in `candidates` is tried with every mode in `merge_modes` on
+    `reference_tokens`-long references; the lowest calibration PPL picks both (an empty
+    `merge_modes` tries `method.merge` only). Prompts run `batch_size` at a time.
+    """
+
+    samples: int = DEFAULT_SAMPLES
+    seed: int = 0
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    method: MethodSettings = MethodSettings()
+    candidates: Sequence[int] = DEFAULT_CANDIDATES
+    reference_tokens: int = REFERENCE_TOKENS
+    batch_size: int = DEFAULT_BATCH_SIZE
+    merge_modes: Sequence[str] = DEFAULT_MERGE_MODES
+
+    def checked(self) -> "CalibrateConfig":
+        """The same settings with tuples for sequences and duplicates dropped; a one-line
+        KvtoolError for the first bad one."""
+        method = self.method or MethodSettings()
+        candidates = tuple(self.candidates)
+        merge_modes = tuple(dict.fromkeys(self.merge_modes)) or (method.merge,)
+        samples = self.samples
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise KvtoolError(f"samples must be a positive integer, got {samples!r}")
+        protected = method.sink_tokens + method.recent_window
+        if self.max_prompt_tokens <= protected:
+            raise KvtoolError(
+                f"max-prompt-tokens must exceed the {protected} protected tokens "
+                f"({method.sink_tokens} sink + {method.recent_window} recent), got {self.max_prompt_tokens}"
+            )
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in candidates):
+            raise KvtoolError(f"truncation distances must be integers >= 0, got {list(candidates)}")
+        unknown = [m for m in merge_modes if m not in MERGE_MODES]
+        if unknown:
+            raise KvtoolError(f"unknown merge mode {unknown[0]!r} (known: {', '.join(MERGE_MODES)})")
+        if self.reference_tokens < 1 or self.batch_size < 1:
+            raise KvtoolError("reference tokens and batch size must be at least 1")
+        return CalibrateConfig(
+            samples=samples,
+            seed=self.seed,
+            max_prompt_tokens=self.max_prompt_tokens,
+            method=method,
+            candidates=candidates,
+            reference_tokens=self.reference_tokens,
+            batch_size=self.batch_size,
+            merge_modes=merge_modes,
+        )

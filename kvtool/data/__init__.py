@@ -1,0 +1,22 @@
+"""The prompt sets kvtool ships (calibration.jsonl, evaluation.jsonl beside this file) and the
+loader and validation of JSONL prompt files, shipped or the user's."""
+
+from kvtool.data.records import (
+    DEFAULT_DATA,
+    EVALUATION_DATA,
+    Record,
+    dataset_hash,
+    load_jsonl,
+    packaged_data,
+    select_samples,
+)
+
+__all__ = [
+    "DEFAULT_DATA",
+    "EVALUATION_DATA",
+    "Record",
+    "dataset_hash",
+    "load_jsonl",
+    "packaged_data",
+    "select_samples",
+]

@@ -1,0 +1,195 @@
+"""The prompt forward and the token-by-token steps after it, through any cache (full or compressed).
+
+Calibration and evaluation score the same way: one prompt forward per batch (which, through a
+kvtool cache created with `record_importance`, also records every compressing layer's importance),
+then one token per row per step, from the prompt's last logits on. `step_tokens` is that loop;
+what a step does with its logits differs:
+
+- `reference_continuations` picks the next token (greedy, or the dataset's answer) and scores it:
+  on a full cache these are the references and their full-cache NLL;
+- `teacher_forced_nll` feeds given references and scores them: through a compressed cache, with
+  the generation-time eviction active, this is the compressed NLL.
+
+A reference ends at its first EOS (scored, as the model must predict it); later steps are padding
+and not scored. PPL = exp(mean NLL), pooled over all scored tokens of all samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtool.scoring.batches import Batch
+
+StepHook = Callable[[], None]
+# Given the step and the logits [B, V] that predict its tokens, the [B] tokens to feed next, or
+# None when nothing more needs to be fed.
+StepAction = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
+    """The prompt forward of `batch` into `cache`; returns the [B, V] logits of its last position."""
+    device = model.device
+    # Pixel inputs (vision-language prompts) in the model's dtype; index tensors as they are.
+    extras = {
+        key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
+        for key, value in batch.extras.items()
+    }
+    # Only the last position's logits are needed; the full [B, W, vocab] tensor is most of a
+    # small model's prompt cost.
+    out = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **extras,
+    )
+    return out.logits[:, -1]
+
+
+def step_tokens(
+    model: Any,
+    cache: Any,
+    first_logits: torch.Tensor,
+    batch: Batch,
+    steps: int,
+    action: StepAction,
+    on_step: StepHook | None = None,
+) -> None:
+    """Run up to `steps` steps after the prompt forward, feeding one token per row through `cache`.
+
+    Step t hands `action` the logits that predict its tokens (the prompt's last logits at t = 0);
+    the tokens `action` returns are fed, with the attention mask and positions the rows continue
+    from, except after the last step (nothing would use the logits) or when it returns None.
+    `on_step` is called after every forward.
+    """
+    rows = first_logits.shape[0]
+    device = first_logits.device
+    mask, position = batch.attention_mask.to(device), batch.next_positions.to(device)
+    logits = first_logits
+    for t in range(steps):
+        token = action(t, logits)
+        if token is None or t == steps - 1:
+            break
+        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+        logits = _forward(model, token[:, None], mask, position, cache)
+        position = position + 1
+        if on_step:
+            on_step()
+
+
+def _forward(model: Any, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
+    out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
+def _nll(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    return -logp.gather(1, token[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class References:
+    """Per batch: reference tokens, which of them are scored, and their full-cache NLL."""
+
+    tokens: torch.Tensor  # [B, L] long; padding where not scored
+    scored: torch.Tensor  # [B, L] bool
+    nll_full: torch.Tensor  # [B, L] float64; 0 where not scored
+
+    @property
+    def steps(self) -> int:
+        """Columns up to the last scored one in any row (the forwards a teacher-forced pass needs)."""
+        used = self.scored.any(dim=0).nonzero()
+        return int(used[-1]) + 1 if len(used) else 0
+
+
+@dataclass
+class NllTotal:
+    """Sum of NLL and count of scored tokens, pooled over batches."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, nll: torch.Tensor, scored: torch.Tensor) -> None:
+        self.total += float(nll[scored].sum())
+        self.count += int(scored.sum())
+
+    def ppl(self) -> float:
+        return math.exp(self.total / self.count) if self.count else float("nan")
+
+
+def reference_continuations(
+    model: Any,
+    cache: Any,
+    first_logits: torch.Tensor,
+    batch: Batch,
+    *,
+    length: int,
+    eos_ids: set[int],
+    pad_id: int,
+    answers: Sequence[list[int] | None],
+    on_step: StepHook | None = None,
+) -> References:
+    """Greedy continuation (or the given answer) of every row, with its NLL through `cache`.
+
+    `cache` holds the prompt and `first_logits` [B, V] the prompt forward's last logits. A row with
+    an answer is forced along it (cut to `length`) and ends with it; a row without one follows its
+    argmax until its first EOS or `length` tokens.
+    """
+    rows = first_logits.shape[0]
+    device = first_logits.device
+    forced = torch.full((rows, length), -1, dtype=torch.long, device=device)
+    answer_len = torch.zeros(rows, dtype=torch.long, device=device)
+    for b, answer in enumerate(answers):
+        if answer is not None:
+            ids = answer[:length]
+            forced[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            answer_len[b] = len(ids)
+    has_answer = torch.tensor([a is not None for a in answers], device=device)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+
+    tokens = torch.full((rows, length), pad_id, dtype=torch.long, device=device)
+    scored = torch.zeros(rows, length, dtype=torch.bool, device=device)
+    nll = torch.zeros(rows, length, dtype=torch.float64, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def choose_and_score(t: int, logits: torch.Tensor) -> torch.Tensor | None:
+        nonlocal finished
+        active = ~finished & (~has_answer | (t < answer_len))
+        choice = torch.where(has_answer, forced[:, t].clamp(min=0), logits.argmax(dim=-1))
+        token = torch.where(active, choice, torch.full_like(choice, pad_id))
+        tokens[:, t], scored[:, t] = token, active
+        nll[:, t] = torch.where(active, _nll(logits, token), 0.0)
+        ended_by_eos = ~has_answer & torch.isin(token, eos)
+        finished |= ~active | ended_by_eos
+        return None if bool(finished.all()) else token
+
+    step_tokens(model, cache, first_logits, batch, length, choose_and_score, on_step)
+    return References(tokens=tokens, scored=scored, nll_full=nll)
+
+
+def teacher_forced_nll(
+    model: Any,
+    cache: Any,
+    first_logits: torch.Tensor,
+    batch: Batch,
+    references: References,
+    on_step: StepHook | None = None,
+) -> torch.Tensor:
+    """NLL [B, L] of the reference tokens fed one at a time through `cache` (0 where not scored)."""
+    rows, length = references.tokens.shape
+    nll = torch.zeros(rows, length, dtype=torch.float64, device=first_logits.device)
+
+    def score(t: int, logits: torch.Tensor) -> torch.Tensor:
+        token = references.tokens[:, t]
+        nll[:, t] = torch.where(references.scored[:, t], _nll(logits, token), 0.0)
+        return token
+
+    step_tokens(model, cache, first_logits, batch, references.steps, score, on_step)
+    return nll

@@ -1,0 +1,106 @@
+"""The scoring engine (kvtool.scoring): greedy references and teacher-forced NLL on one stepping
+loop, checked against plain forwards over the whole sequence and against each other."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvtool.scoring import left_pad, prompt_forward, reference_continuations, teacher_forced_nll
+from tiny_models import tiny_llama
+
+LENGTH = 7
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (12, 7, 10)]
+    return left_pad(sequences, (0, 1, 2), pad_id=0)
+
+
+def prompt(model, batch):
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        return cache, prompt_forward(model, batch, cache)
+
+
+def references(model, batch, *, eos=(), answers=(None, None, None), length=LENGTH, on_step=None):
+    cache, first = prompt(model, batch)
+    with torch.inference_mode():
+        refs = reference_continuations(
+            model, cache, first, batch, length=length, eos_ids=set(eos), pad_id=0, answers=list(answers), on_step=on_step
+        )
+    return refs
+
+
+def plain_nll(model, batch, row: int, tokens: list[int]) -> list[float]:
+    """NLL of `tokens` after the row's prompt, from one forward without a cache and without padding."""
+    ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [-float(logp[len(ids) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+def test_greedy_references_match_plain_forwards(model, batch) -> None:
+    steps = []
+    refs = references(model, batch, on_step=lambda: steps.append(1))
+    assert refs.scored.all() and refs.steps == LENGTH
+    assert len(steps) == LENGTH - 1  # no forward after the last token
+    for row in range(3):
+        tokens = refs.tokens[row].tolist()
+        # Greedy: each token is the argmax after the prompt and the tokens before it.
+        ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids + tokens])).logits[0]
+        assert logits[len(ids) - 1 : -1].argmax(dim=-1).tolist() == tokens
+        assert refs.nll_full[row].tolist() == pytest.approx(plain_nll(model, batch, row, tokens), rel=1e-9, abs=1e-12)
+
+
+def test_teacher_forcing_through_the_same_cache_reproduces_the_reference_nll(model, batch) -> None:
+    """Both uses of the one stepping loop: forced along the greedy tokens through an identical
+    prompt cache, the NLL is the references' own, bit for bit; rows that stopped early are 0."""
+    eos = references(model, batch).tokens[1, 2].item()
+    answer = [11, 12, 13]
+    refs = references(model, batch, eos={eos}, answers=(None, None, answer))
+    cache, first = prompt(model, batch)
+    steps = []
+    with torch.inference_mode():
+        nll = teacher_forced_nll(model, cache, first, batch, refs, on_step=lambda: steps.append(1))
+    assert torch.equal(nll, refs.nll_full)
+    assert len(steps) == refs.steps - 1
+
+
+def test_eos_ends_a_row_and_answers_are_forced(model, batch) -> None:
+    free = references(model, batch)
+    eos = free.tokens[1, 2].item()
+    refs = references(model, batch, eos={eos}, answers=(None, None, [11, 12, 13]))
+    first_eos = free.tokens[1].tolist().index(eos)
+    # Row 1 stops at its first EOS, which is scored; later columns are padding.
+    assert refs.scored[1].tolist() == [t <= first_eos for t in range(LENGTH)]
+    assert refs.tokens[1, : first_eos + 1].tolist() == free.tokens[1, : first_eos + 1].tolist()
+    assert (refs.tokens[1, first_eos + 1 :] == 0).all() and (refs.nll_full[1, first_eos + 1 :] == 0).all()
+    # Row 2 follows its answer (EOS is not appended) and ends with it.
+    assert refs.tokens[2, :3].tolist() == [11, 12, 13] and refs.scored[2].tolist() == [True] * 3 + [False] * 4
+    assert refs.nll_full[2, :3].tolist() == pytest.approx(plain_nll(model, batch, 2, [11, 12, 13]), rel=1e-9)
+    # Row 0 (no EOS among its tokens unless greedy picks it) continues as without the others.
+    if eos not in free.tokens[0].tolist():
+        assert torch.equal(refs.tokens[0], free.tokens[0]) and refs.scored[0].all()
+
+
+def test_stepping_stops_when_every_row_is_done(model, batch) -> None:
+    steps = []
+    refs = references(model, batch, answers=([5], [6, 7], [8]), on_step=lambda: steps.append(1))
+    assert refs.steps == 2
+    # The longest answer's last token is fed too (a row is seen to be done one step later), then
+    # nothing more: 2 forwards, not LENGTH - 1.
+    assert len(steps) == 2
