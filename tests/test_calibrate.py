@@ -325,7 +325,7 @@ def test_load_profile_rederives_ratios_for_another_budget(
     # At its own budget the stored curves give the stored ratios back (up to their 6 digits).
     back = load_profile(path, budget=0.6)
     assert np.allclose(compressed_ratios(back), compressed_ratios(other))
-    from kvtool.calibrate.budget import rebudget
+    from kvtool.profiles.budget import rebudget
 
     again, _ = rebudget(same, 0.3)
     assert np.allclose(compressed_ratios(again), compressed_ratios(same), atol=1e-5)
@@ -423,7 +423,7 @@ def test_per_row_mean_removes_the_causal_bias() -> None:
     assert np.allclose(plain, sums)
     assert np.allclose(mean, sums / (n - np.arange(n)))
     # the plain sums look concentrated on early tokens; the means are much flatter
-    from kvtool.calibrate.lorenz import gini_from_importance
+    from kvtool.profiles.lorenz import gini_from_importance
 
     assert gini_from_importance(mean) < gini_from_importance(plain)
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.calibrate.allocation import Allocation, solve_from_samples
+from kvtool.profiles.allocation import Allocation, solve_from_samples
 from kvtool.calibrate.batches import Batch, Encoded, encode_prompt, make_batches
-from kvtool.calibrate.budget import check_budget, floor_for, solve_ratios, stored_p
+from kvtool.profiles.budget import check_budget, floor_for, solve_ratios, stored_p
 from kvtool.calibrate.data import Record, dataset_hash, load_jsonl, select_samples
-from kvtool.calibrate.lorenz import mean_curve
+from kvtool.profiles.lorenz import mean_curve
 from kvtool.calibrate.statistics import (
     ImportanceStats,
     LayerImportance,

@@ -110,7 +110,7 @@ def calibrate_command(
     """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
     passive_openmp()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
-    from kvtool.calibrate.budget import check_budget
+    from kvtool.profiles.budget import check_budget
     from kvtool.calibrate.runner import DEFAULT_MERGE_MODES, calibrate, check_writable, default_out_path
     from kvtool.profiles import MERGE_MODES, MethodSettings
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.calibrate.batches import Batch, make_batches
-from kvtool.calibrate.budget import check_budget
+from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
 from kvtool.calibrate.runner import encode_answers, encode_samples, prompt_forward
 from kvtool.calibrate.truncation import NllTotal, References, reference_continuations, teacher_forced_nll

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings, Profile
+from kvtool.profiles.budget import rebudget
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,6 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     the others use the same ratio in every layer. Sinks, recent window and truncation distance come
     from `calibrated` when given, so methods differ only in what their names say.
     """
-    from kvtool.calibrate.budget import rebudget
     from kvtool.runtime.attach import uniform_profile
 
     method = get_method(name)
