@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import datetime as _dt
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from kvtool.calibrate.truncation import (
     score_candidates,
 )
 from kvtool.errors import KvtoolError
+from kvtool.files import check_writable
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import (
     CURVE_IMPORTANCE,
@@ -101,28 +101,6 @@ def default_out_path(model_name: str, budget: float) -> Path:
     stem = Path(base).stem if base.lower().endswith(".gguf") else Path(base).name
     stem = stem.replace(os.sep, "-").replace("/", "-") or "model"
     return Path("profiles") / f"{stem}-b{budget:g}.yaml"
-
-
-def check_writable(path: str | Path, what: str = "profile") -> Path:
-    """Fail before any model work if `path` cannot be written; leaves nothing behind.
-
-    Probes with a real temporary file (permission bits say nothing when running as root, and
-    read-only mounts only show on write) in the nearest directory that exists.
-    """
-    dest = Path(path)
-    if dest.is_dir():
-        raise KvtoolError(f"cannot write {what} to {dest}: it is a directory")
-    parent = dest.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise KvtoolError(f"cannot write {what} to {dest}: {parent} is not a directory")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kvtool-probe-", delete=True):
-            pass
-    except OSError as exc:
-        raise KvtoolError(f"cannot write {what} to {dest}: {exc.strerror or exc}") from None
-    return dest
 
 
 def _validate_options(samples: int, max_prompt_tokens: int, method: MethodSettings, candidates: Sequence[int]) -> None:
