@@ -49,7 +49,6 @@ from kvtool.errors import KvtoolError
 from kvtool.files import check_writable
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import (
-    CURVE_IMPORTANCE,
     MERGE_MODES,
     CalibrationInfo,
     LayerProfile,
@@ -269,8 +268,8 @@ def calibrate(
     unknown = [m for m in merge_modes if m not in MERGE_MODES]
     if unknown:
         raise KvtoolError(f"unknown merge mode {unknown[0]!r} (known: {', '.join(MERGE_MODES)})")
-    if curve_importance not in CURVE_IMPORTANCE:
-        raise KvtoolError(f"curve importance must be one of {', '.join(CURVE_IMPORTANCE)}, got {curve_importance!r}")
+    if curve_importance not in ("mean", "sum"):
+        raise KvtoolError(f"curve importance must be one of mean, sum, got {curve_importance!r}")
     if reference_tokens < 1 or batch_size < 1:
         raise KvtoolError("reference tokens and batch size must be at least 1")
     dest = check_writable(out) if out is not None else None
@@ -315,7 +314,7 @@ def calibrate(
         profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, merge=best))
         profile = _with_truncation(profile, truncation)
     seconds = time.perf_counter() - started
-    profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds, curve_importance)
+    profile = _with_calibration(profile, chosen, stats, allocation, truncation, seed, seconds)
     if dest is not None:
         save_profile(profile, dest)
     return CalibrationResult(
@@ -493,7 +492,6 @@ def _with_calibration(
     truncation: TruncationResult | None,
     seed: int,
     seconds: float,
-    curve_importance: str,
 ) -> Profile:
     import dataclasses
 
@@ -508,6 +506,5 @@ def _with_calibration(
         ppl_compressed=truncation.ppl_compressed if truncation else None,
         seed=seed,
         seconds=round(seconds, 1),
-        curve_importance=curve_importance,
     )
     return dataclasses.replace(profile, calibration=info)
