@@ -1,4 +1,4 @@
-"""Priority curves, Lorenz curves and Gini coefficients (kvtool.calibrate.lorenz)."""
+"""Priority curves, Lorenz curves and Gini coefficients (kvtool.profiles.lorenz)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvtool.calibrate.lorenz import (
+from kvtool.profiles.lorenz import (
     check_curve,
     downsample,
     gini_from_curve,

@@ -1,4 +1,4 @@
-"""Profile format v1: YAML round trip, atomic writes, validation errors, fingerprints, `kvtool inspect profile`."""
+"""Profile format v1: YAML round trip, atomic writes, validation errors, legacy keys, fingerprints, `kvtool inspect profile`."""
 
 from __future__ import annotations
 
@@ -544,6 +544,69 @@ def test_null_calibration_and_optional_nulls_are_fine(tmp_path: Path, good_docum
     loaded = read_profile(write_document(tmp_path / "p.yaml", good_document))
     assert loaded.calibration is None
     assert loaded.layers[0] == LayerProfile(ratio=0.30000000000000004)
+
+
+# --------------------------------------------------------------------------- legacy keys, built-in files
+
+
+@pytest.mark.parametrize("value", ["mean", "sum", None])
+def test_legacy_curve_importance_is_read_and_not_written_back(
+    tmp_path: Path, good_document: dict, profile: Profile, value: str | None
+) -> None:
+    """Profiles written before `curve_importance` was dropped still load, as the same profile."""
+    good_document["calibration"]["curve_importance"] = value
+    loaded = read_profile(write_document(tmp_path / "old.yaml", good_document))
+    assert loaded == profile
+    assert "curve_importance" not in save_profile(loaded, tmp_path / "new.yaml").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(("value", "shown"), [("median", "'median'"), (3, "3")])
+def test_legacy_curve_importance_other_values_are_refused(
+    tmp_path: Path, good_document: dict, value: Any, shown: str
+) -> None:
+    good_document["calibration"]["curve_importance"] = value
+    path = write_document(tmp_path / "p.yaml", good_document)
+    with pytest.raises(KvtoolError) as info:
+        read_profile(path)
+    assert str(info.value) == f"{path}: calibration.curve_importance must be one of mean, sum, got {shown}"
+
+
+def test_legacy_key_is_known_to_typo_suggestions(tmp_path: Path, good_document: dict) -> None:
+    good_document["calibration"]["curve_importanc"] = "mean"
+    with pytest.raises(KvtoolError) as info:
+        read_profile(write_document(tmp_path / "p.yaml", good_document))
+    assert_one_line_error(info.value, "unknown field calibration.curve_importanc", "did you mean curve_importance?")
+
+
+BUILTIN_FILES = sorted((Path(profile_io.__file__).parent / "builtin").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", BUILTIN_FILES, ids=[p.name for p in BUILTIN_FILES])
+def test_builtin_profiles_round_trip_byte_for_byte(tmp_path: Path, path: Path) -> None:
+    """Reading and saving a shipped profile writes the very same text: no field is lost, reordered
+    or reformatted, so regenerated profiles can be compared with `diff`."""
+    saved = save_profile(read_profile(path), tmp_path / path.name)
+    assert saved.read_bytes() == path.read_bytes()
+
+
+def test_builtin_profiles_exist() -> None:
+    assert [p.name for p in BUILTIN_FILES] == ["smollm2-b0.2.yaml", "smollm2-b0.5.yaml"]
+
+
+def test_profiles_package_imports_no_torch() -> None:
+    """The format and the budget mathematics are numpy-only: `kvtool inspect` and library users
+    reading profiles never pay for torch."""
+    code = (
+        "import pkgutil, importlib, sys, kvtool.profiles as p\n"
+        "for m in pkgutil.walk_packages(p.__path__, 'kvtool.profiles.'): importlib.import_module(m.name)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'transformers')))\n"
+        "print(sorted(n for n in sys.modules if n.startswith('kvtool.profiles.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    heavy, imported = done.stdout.splitlines()
+    assert heavy == "[]"
+    assert "kvtool.profiles.budget" in imported and "kvtool.profiles.validate" in imported
 
 
 # --------------------------------------------------------------------------- fingerprints

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from kvtool import __version__
-from kvtool.calibrate.allocation import Allocation, solve_from_samples
-from kvtool.calibrate.budget import floor_for, solve_ratios, stored_p
-from kvtool.calibrate.lorenz import mean_curve
+from kvtool.profiles.allocation import Allocation, solve_from_samples
+from kvtool.profiles.budget import floor_for, solve_ratios, stored_p
+from kvtool.profiles.lorenz import mean_curve
 from kvtool.calibrate.statistics import ImportanceStats
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.data import Record, dataset_hash
@@ -104,6 +104,5 @@ def with_calibration(
         ppl_compressed=truncation.ppl_compressed if truncation else None,
         seed=seed,
         seconds=round(seconds, 1),
-        curve_importance="mean",  # H1 removes this field (and this line)
     )
     return dataclasses.replace(profile, calibration=info)

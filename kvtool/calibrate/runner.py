@@ -8,7 +8,6 @@ of the run; the file.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -17,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.calibrate.allocation import Allocation
-from kvtool.calibrate.budget import check_budget
+from kvtool.profiles.allocation import Allocation
+from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, with_calibration, with_method
 from kvtool.calibrate.config import CalibrateConfig
 from kvtool.calibrate.passes import Progress, full_pass, no_progress, search_truncation_and_merge
@@ -26,6 +25,7 @@ from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.data import Record, load_jsonl, select_samples
 from kvtool.errors import KvtoolError
+from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import Profile, fingerprint_of, save_profile
 from kvtool.scoring import encode_batches
@@ -45,28 +45,6 @@ class CalibrationResult:
     path: Path | None
     # Calibration PPL at the best D of every merge mode tried; the lowest one is the profile's.
     merge_ppl: dict[str, float] = field(default_factory=dict)
-
-
-def check_writable(path: str | Path, what: str = "profile") -> Path:
-    """Fail before any model work if `path` cannot be written; leaves nothing behind.
-
-    Probes with a real temporary file (permission bits say nothing when running as root, and
-    read-only mounts only show on write) in the nearest directory that exists.
-    """
-    dest = Path(path)
-    if dest.is_dir():
-        raise KvtoolError(f"cannot write {what} to {dest}: it is a directory")
-    parent = dest.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise KvtoolError(f"cannot write {what} to {dest}: {parent} is not a directory")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kvtool-probe-", delete=True):
-            pass
-    except OSError as exc:
-        raise KvtoolError(f"cannot write {what} to {dest}: {exc.strerror or exc}") from None
-    return dest
 
 
 def calibrate(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.calibrate.lorenz import gini_from_importance, priority_curve
+from kvtool.profiles.lorenz import gini_from_importance, priority_curve
 
 # Samples per stored curve; the ratios are solved on exactly these curves, so a profile re-derived
 # from its own curves at its own budget gives its own ratios back.

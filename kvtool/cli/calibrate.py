@@ -102,9 +102,10 @@ def calibrate_command(
     """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
     passive_openmp()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
-    from kvtool.calibrate.budget import check_budget
+    from kvtool.profiles.budget import check_budget
     from kvtool.calibrate.config import DEFAULT_MERGE_MODES, CalibrateConfig
-    from kvtool.calibrate.runner import calibrate, check_writable
+    from kvtool.calibrate.runner import calibrate
+    from kvtool.files import check_writable
     from kvtool.profiles import MERGE_MODES, MethodSettings
 
     if merge != "auto" and merge not in MERGE_MODES:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -15,6 +14,7 @@ from rich.table import Table
 from kvtool.cli.app import app
 from kvtool.cli.calibrate import StageBars, passive_openmp
 from kvtool.errors import KvtoolError
+from kvtool.files import check_writable, write_text_atomic
 
 if TYPE_CHECKING:
     from kvtool.evaluate import EvalReport
@@ -38,13 +38,6 @@ def parse_budgets(text: str) -> tuple[float, ...]:
             raise KvtoolError(f"--budgets: {item} is outside (0, 1] (a budget is the fraction of KV entries kept)")
         budgets.append(value)
     return tuple(budgets)
-
-
-def write_json(document: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 @app.command("eval")
@@ -83,7 +76,6 @@ def eval_command(
     greedy output."""
     passive_openmp()
     from kvtool.data import load_jsonl
-    from kvtool.calibrate.runner import check_writable
     from kvtool.evaluate import EvalConfig, evaluate
     from kvtool.runtime import load_profile
     from kvtool.runtime.methods import get_method
@@ -112,7 +104,7 @@ def eval_command(
         report = _with_data_name(report, str(data))
     render(Console(), report)
     if json_out is not None:
-        write_json(report.to_dict(), json_out)
+        write_text_atomic(json_out, json.dumps(report.to_dict(), indent=2) + "\n", "JSON")
         Console(stderr=True).print(f"wrote {json_out}")
     if plot is not None:
         from kvtool.evaluate.plot import plot_report

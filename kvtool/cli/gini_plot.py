@@ -27,7 +27,7 @@ def plot_profile(profile: Profile, path: Path) -> Path:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    from kvtool.calibrate.lorenz import grid, lorenz_curve
+    from kvtool.profiles.lorenz import grid, lorenz_curve
 
     compressed = [(i, layer) for i, layer in enumerate(profile.layers) if layer.compress and layer.priority_curve]
     if not compressed:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvtool.calibrate.budget import check_budget
+from kvtool.profiles.budget import check_budget
 from kvtool.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
 from kvtool.errors import KvtoolError
 from kvtool.evaluate.metrics import rouge_l_f1

@@ -1,9 +1,10 @@
-"""Profiles: the per-layer KV budget format (schema), its YAML file form (io), model fingerprints."""
+"""Profiles: the per-layer KV budget format (schema), its YAML file form (io, validate), model
+fingerprints, and the pure budget mathematics (lorenz, allocation, budget; numpy only, no torch)."""
 
+from kvtool.profiles.document import profile_to_dict
 from kvtool.profiles.fingerprint import fingerprint_of
-from kvtool.profiles.io import profile_to_dict, read_profile, save_profile, validate_profile
+from kvtool.profiles.io import read_profile, save_profile
 from kvtool.profiles.schema import (
-    CURVE_IMPORTANCE,
     EVICTION_RULES,
     MERGE_MODES,
     SELECTION_RULES,
@@ -15,9 +16,9 @@ from kvtool.profiles.schema import (
     Profile,
     PromptStats,
 )
+from kvtool.profiles.validate import validate_profile
 
 __all__ = [
-    "CURVE_IMPORTANCE",
     "EVICTION_RULES",
     "MERGE_MODES",
     "SELECTION_RULES",

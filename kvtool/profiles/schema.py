@@ -1,12 +1,17 @@
 """Profile format v1: what a calibrated per-layer KV budget looks like in memory.
 
 A profile is read by the runtime (ratios, method settings, fingerprint) and by `kvtool inspect`
-(Gini, Lorenz curves, calibration metadata). YAML mapping lives in `kvtool.profiles.io`.
+(Gini, Lorenz curves, calibration metadata). The fields are declared in the order the YAML file lists
+them, each with what a file may hold for it (`rule`, see `kvtool.profiles.fields`); `kvtool.profiles.io`
+reads and writes the file and `kvtool.profiles.validate` checks it, both from these declarations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvtool.profiles.fields import rule
 
 SCHEMA_VERSION = 1
 
@@ -15,9 +20,10 @@ MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "simila
 # and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
 EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter")
-# "mean": column sum / rows that can see the token (removes the causal bias toward early tokens);
-# "sum": the plain column sum the runtime ranks tokens by.
-CURVE_IMPORTANCE = ("mean", "sum")
+
+# Field constraints several fields share.
+_KEPT_FRACTION = rule(low=0, high=1, open_low=True)
+_NON_NEGATIVE = rule(low=0)
 
 
 @dataclass(frozen=True)
@@ -26,14 +32,17 @@ class ModelFingerprint:
 
     name: str
     model_type: str
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
+    num_layers: int = field(metadata=rule(low=1))
+    num_attention_heads: int = field(metadata=rule(low=1))
+    num_kv_heads: int = field(metadata=rule(low=1))
+    head_dim: int = field(metadata=rule(low=1))
+    hidden_size: int = field(metadata=rule(low=1))
+    vocab_size: int = field(metadata=rule(low=1))
     # "full_attention" / "sliding_attention" per layer; sliding layers are left alone by kvtool.
-    layer_types: tuple[str, ...] = ()
+    # Empty in profiles made before the field existed.
+    layer_types: tuple[str, ...] = field(
+        default=(), metadata=rule(flow=True, nonempty=True, per_layer=True, may_be_empty=True)
+    )
 
     def mismatches(self, other: "ModelFingerprint") -> list[str]:
         """Fields that make `other` incompatible (the name alone never does)."""
@@ -49,65 +58,86 @@ class ModelFingerprint:
 class MethodSettings:
     """How entries are chosen and combined; shared by every layer."""
 
-    merge: str = "position"  # one of MERGE_MODES
-    sink_tokens: int = 4  # first prompt tokens always kept (inside the budget)
-    recent_window: int = 8  # last prompt tokens always kept (inside the budget)
-    truncation_distance: int = 25  # D: generation evicts at prefix_l - D
-    selection: str = "importance"  # one of SELECTION_RULES
-    eviction: str = "fixed-point"  # one of EVICTION_RULES
+    merge: str = field(default="position", metadata=rule(choices=MERGE_MODES))
+    # First and last prompt tokens always kept (inside the budget).
+    sink_tokens: int = field(default=4, metadata=_NON_NEGATIVE)
+    recent_window: int = field(default=8, metadata=_NON_NEGATIVE)
+    # D: generation evicts at prefix_l - D.
+    truncation_distance: int = field(default=25, metadata=_NON_NEGATIVE)
+    selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
+    eviction: str = field(default="fixed-point", metadata=rule(choices=EVICTION_RULES))
 
 
 @dataclass(frozen=True)
 class LayerProfile:
     """One decoder layer's share of the cache and the statistics it came from."""
 
-    ratio: float  # kept fraction R_l in (0, 1]
+    ratio: float = field(metadata=_KEPT_FRACTION)  # kept fraction R_l
     compress: bool = True  # False for layers kvtool leaves alone (sliding-window layers)
-    gini: float | None = None
-    ratio_std: float | None = None  # spread of the ratio across calibration samples
+    gini: float | None = field(default=None, metadata=rule(low=0, high=1))
+    # Spread of the ratio across calibration samples.
+    ratio_std: float | None = field(default=None, metadata=rule(low=0))
     # Mean cumulative-priority curve P_l(o) sampled at o = i/(len-1); empty when not calibrated.
-    priority_curve: tuple[float, ...] = ()
+    # Written with 6 digits: plenty for Lorenz plots and re-budgeting, and the file stays readable.
+    priority_curve: tuple[float, ...] = field(
+        default=(), metadata=rule(low=0, high=1, increasing=True, nullable=True, flow=True, digits=6)
+    )
     # Mean share of the kept prompt entries that are image tokens at this ratio, over the calibration
-    # prompts with images; None for text-only calibrations and layers kvtool leaves alone.
-    image_share: float | None = None
+    # prompts with images; None for text-only calibrations and layers kvtool leaves alone. Left out of
+    # the file when None, so text profiles look as they did before the field existed.
+    image_share: float | None = field(default=None, metadata=rule(low=0, high=1, omit_none=True))
 
 
 @dataclass(frozen=True)
 class PromptStats:
-    min: int
-    mean: float
-    max: int
+    min: int = field(metadata=_NON_NEGATIVE)
+    mean: float = field(metadata=_NON_NEGATIVE)
+    max: int = field(metadata=rule(low=0, not_below="min"))
 
 
 @dataclass(frozen=True)
 class CalibrationInfo:
     """Where the ratios came from; absent for a uniform profile made on the fly."""
 
+    # Keys older files may hold that no longer map to a field: accepted with these values, then
+    # ignored. `curve_importance` named the per-token score the Lorenz curves were built from ("mean"
+    # or the plain column "sum"); only "mean" is made now, but ratios solved on "sum" curves are
+    # still a calibration the runtime applies as it is.
+    LEGACY_KEYS: ClassVar[dict[str, tuple[str, ...]]] = {"curve_importance": ("mean", "sum")}
+
     dataset_hash: str
-    samples: int
+    samples: int = field(metadata=rule(low=1))
     prompt_tokens: PromptStats
-    retention_p: float | None = None
-    truncation_ppl: dict[int, float] = field(default_factory=dict)  # D -> calibration PPL
-    ppl_full: float | None = None
-    ppl_compressed: float | None = None
+    retention_p: float | None = field(default=None, metadata=_KEPT_FRACTION)
+    # D -> calibration PPL.
+    truncation_ppl: dict[int, float] = field(
+        default_factory=dict,
+        metadata=rule(low=0, open_low=True, nullable=True, keys=("distance", "perplexity"), key_low=0),
+    )
+    ppl_full: float | None = field(default=None, metadata=rule(low=0, open_low=True))
+    ppl_compressed: float | None = field(default=None, metadata=rule(low=0, open_low=True))
     seed: int | None = None
-    seconds: float | None = None
-    # Which per-token score the Lorenz curves were built from (CURVE_IMPORTANCE); None in old files.
-    curve_importance: str | None = None
+    seconds: float | None = field(default=None, metadata=rule(low=0))
 
 
 @dataclass(frozen=True)
 class Profile:
-    """A per-layer KV budget for one model. `budget` is the KEPT fraction of the full cache."""
+    """A per-layer KV budget for one model. `budget` is the KEPT fraction of the full cache.
 
-    budget: float
+    The header fields come first in the file but are keyword-only here, so the constructor still
+    starts with what every profile needs: `Profile(budget, model, method, layers, ...)`.
+    """
+
+    schema_version: int = field(default=SCHEMA_VERSION, kw_only=True, metadata=rule(required=True))
+    kvtool_version: str = field(default="", kw_only=True)
+    created: str = field(default="", kw_only=True)  # ISO-8601 timestamp
+    # Stored as {kept_fraction: 0.2}: a bare number would be ambiguous (kept or evicted?).
+    budget: float = field(metadata=rule(low=0, high=1, open_low=True, wrap="kept_fraction", example=0.2))
     model: ModelFingerprint
     method: MethodSettings
-    layers: tuple[LayerProfile, ...]
-    calibration: CalibrationInfo | None = None
-    kvtool_version: str = ""
-    created: str = ""  # ISO-8601 timestamp
-    schema_version: int = SCHEMA_VERSION
+    calibration: CalibrationInfo | None = field(default=None, kw_only=True)
+    # Listed in order, each entry stating its position (a check against hand edits).
+    layers: tuple[LayerProfile, ...] = field(metadata=rule(per_layer=True, index_key="layer"))
 
     @property
     def ratios(self) -> list[float]:

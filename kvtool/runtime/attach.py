@@ -20,6 +20,7 @@ from kvtool.profiles import (
     fingerprint_of,
     read_profile,
 )
+from kvtool.profiles.budget import rebudget
 from kvtool.runtime import attention
 from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
@@ -43,8 +44,6 @@ def load_profile(path: str | Path, budget: float | None = None) -> Profile:
     profile = read_profile(path)
     if budget is None or float(budget) == profile.budget:
         return profile
-    from kvtool.calibrate.budget import rebudget
-
     updated, allocation = rebudget(profile, budget, source=str(path))
     log.warning(
         "kvtool: %s was calibrated for budget %g; re-derived its per-layer ratios for budget %g "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime.attach import uniform_profile
+from kvtool.profiles.budget import rebudget
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,6 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     the others use the same ratio in every layer. Sinks, recent window and truncation distance come
     from `calibrated` when given, so methods differ only in what their names say.
     """
-    from kvtool.calibrate.budget import rebudget
 
     method = get_method(name)
     if not (0.0 < budget <= 1.0):

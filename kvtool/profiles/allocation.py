@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtool.calibrate.lorenz import check_curve, mean_curve
+from kvtool.profiles.lorenz import check_curve, mean_curve
 
 __all__ = [
     "Allocation",

@@ -11,9 +11,9 @@ import dataclasses
 
 import numpy as np
 
-from kvtool.calibrate.allocation import Allocation, solve_retention
+from kvtool.profiles.allocation import Allocation, solve_retention
 from kvtool.errors import KvtoolError
-from kvtool.profiles import Profile
+from kvtool.profiles.schema import Profile
 
 # No layer goes below this kept fraction (or the budget, if smaller): a layer whose importance
 # looks concentrated still needs room for its sinks and recent window, which sit inside its share.
