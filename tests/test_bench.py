@@ -71,8 +71,9 @@ def test_json_contract_and_ratios_from_the_parts(capsys, monkeypatch, tiny_llama
     assert report["decode_speedup_ceiling"] == pytest.approx(ceil["decode_tok_s"] / full["decode_tok_s"])
     assert report["prefill_ratio"] == pytest.approx(comp["prefill_s"] / full["prefill_s"])
     assert report["kv_fraction"] == pytest.approx(comp["kv_bytes"] / full["kv_bytes"])
-    # Default: budget 0.2 through generate's rule (no built-in profile for a directory: uniform).
-    assert report["budget"] == 0.2 and "uniform" in report["profile"]
+    # Default: budget 0.2 through the rule every command shares (no built-in profile for a
+    # directory: calibrated on the packaged prompts first).
+    assert report["budget"] == 0.2 and "calibrated now" in report["profile"]
     assert report["kv_fraction"] < 1
     assert (report["prompt_tokens"], report["new_tokens"], report["batch"], report["repeat"]) == (48, 4, 2, 1)
     assert report["device"] == "cpu" and report["torch_threads"] == torch.get_num_threads()

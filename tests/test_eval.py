@@ -190,3 +190,49 @@ def test_paired_rouge_script_pairs_prompts(tmp_path):
     assert "a higher on 2, equal on 1, lower on 0 prompts" in done.stdout
     missing = subprocess.run([sys.executable, str(script), str(path), "a", "c", "--budget", "0.2"], capture_output=True, text=True)
     assert missing.returncode != 0 and "no result for method 'c'" in missing.stderr
+
+
+def test_answer_accuracy_is_string_match_all():
+    from kvtool.evaluate.metrics import answer_accuracy
+
+    assert answer_accuracy("The numbers are 1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
+    assert answer_accuracy("The number is 1234567.", ["1234567", "7654321"]) == 0.5
+    assert answer_accuracy("APPLE pie", ["apple"]) == 1.0  # case does not matter
+    assert answer_accuracy("", ["x"]) == 0.0
+
+
+def test_accuracy_kinds_and_per_prompt_values_in_data_order(loaded, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """Per-prompt values sit at their prompt's index although batches group prompts by length,
+    accuracy is scored on answer rows only, and every kind gets its own figures."""
+    from kvtool.runtime.generate import generate
+
+    rng = random.Random(5)
+    # Lengths out of order, so length-sorted batches reorder the prompts.
+    lengths = [60, 20, 45, 30, 55, 25]
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
+    rows = [{"prompt": p, "kind": "text" if i % 2 else "lookup"} for i, p in enumerate(prompts)]
+    for row in rows[::2]:
+        row["answers"] = ["cat", "zebra"]  # "zebra" is not in the tiny vocabulary: at most 0.5
+    path = _write(tmp_path / "kinds.jsonl", rows)
+    out = tmp_path / "eval.json"
+    code, stdout, stderr = run(monkeypatch, capsys, "eval", str(tiny_llama_dir), "--data", str(path), "--budgets", "0.3,1",
+                               "--methods", "local", "--max-new-tokens", "5", "--batch-size", "2", "--json", str(out))
+    assert code == 0, stderr
+    doc = json.loads(out.read_text())
+    assert doc["kinds_per_prompt"] == [r["kind"] for r in rows]
+    alone = [generate(loaded.model, loaded.tokenizer, [p], max_new_tokens=5).outputs[0].strip() for p in prompts]
+    assert [o["text"] for o in doc["full_outputs"]] == alone
+    for result in doc["results"]:
+        per = result["accuracy_per_prompt"]
+        assert [a is None for a in per] == ["answers" not in r for r in rows]
+        assert all(a in (0.0, 0.5) for a in per if a is not None)
+        assert result["accuracy"] == pytest.approx(sum(a for a in per if a is not None) / 3)
+        assert set(result["kinds"]) == {"lookup", "text"}
+        assert result["kinds"]["text"]["accuracy"] is None and result["kinds"]["lookup"]["samples"] == 3
+        tokens, nll = result["tokens_per_prompt"], result["nll_per_prompt"]
+        assert result["ppl"] == pytest.approx(math.exp(sum(nll) / sum(tokens)))
+    at_one = next(r for r in doc["results"] if r["budget"] == 1.0)
+    expected = [None if "answers" not in r else (0.5 if "cat" in o.lower() else 0.0) for r, o in zip(rows, alone)]
+    assert at_one["accuracy_per_prompt"] == expected
+    assert doc["full_accuracy"] == at_one["accuracy"]
+    assert "accuracy" in stdout and "lookup (3)" in stdout

@@ -89,3 +89,29 @@ def test_the_walk_sees_function_local_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from kvtool.cli.app import app\n")
     assert imported(probe) == [(2, "kvtool.cli.app")]
+
+
+def local_imports(path: Path) -> list[int]:
+    """Lines of kvtool imports inside functions."""
+    lines = []
+    for func in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                )
+                if any(n == "kvtool" or n.startswith("kvtool.") for n in names) or getattr(node, "level", 0):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_function_local_imports_only_where_they_keep_help_fast():
+    # The CLI imports its commands' machinery inside the commands so `kvtool --help` loads no torch;
+    # anywhere else an import inside a function only hides a dependency.
+    hidden = [
+        f"{path.relative_to(ROOT.parent)}:{line}"
+        for path in MODULES
+        if not module_name(path).startswith("kvtool.cli")
+        for line in local_imports(path)
+    ]
+    assert not hidden, "function-local kvtool imports outside kvtool/cli:\n" + "\n".join(hidden)

@@ -3,7 +3,6 @@ loop, checked against plain forwards over the whole sequence and against each ot
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from kvtool.profiles import MethodSettings
+from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime import uniform_profile
 
 VOCAB = 97

@@ -24,7 +24,6 @@ from kvtool.calibrate.passes import Progress, full_pass, no_progress, search_tru
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.data import Record, load_jsonl, select_samples
-from kvtool.errors import KvtoolError
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import Profile, fingerprint_of, save_profile

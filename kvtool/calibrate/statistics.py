@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.profiles.lorenz import gini_from_importance, priority_curve
+from kvtool.runtime.selection import kept_count, select_rule
 
 # Samples per stored curve; the ratios are solved on exactly these curves, so a profile re-derived
 # from its own curves at its own budget gives its own ratios back.
@@ -131,8 +132,6 @@ def kept_image_share(batches: Sequence[PromptImages], ratios: dict[int, float], 
     merging changes what a kept entry holds, not which entries stay. Averaged over the prompts that
     have image tokens; None when none has (text-only calibration).
     """
-    from kvtool.runtime.selection import kept_count, select_rule
-
     rule = select_rule(method.selection)
     shares: dict[int, list[float]] = {index: [] for index in ratios}
     for batch in batches:

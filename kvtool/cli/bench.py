@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from kvtool.cli.app import app
-from kvtool.errors import KvtoolError
+from kvtool.cli.profile_choice import check_choice, choose_cache_profile
 
 DEFAULT_BUDGET = 0.2
 
@@ -27,8 +27,8 @@ def bench_command(
     budget: Annotated[
         float | None,
         typer.Option(
-            help="Kept fraction of the KV cache in (0, 1]: the built-in calibrated profile for the model if one "
-            f"ships, else the same ratio in every layer (as `kvtool generate`). Default {DEFAULT_BUDGET:g} when "
+            help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else "
+            f"calibrated now), as in `kvtool generate` and `kvtool eval`. Default {DEFAULT_BUDGET:g} when "
             "neither --budget nor --profile is given."
         ),
     ] = None,
@@ -61,19 +61,15 @@ def bench_command(
     """
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.bench import BenchConfig, bench_dict, long_prompts, render, run_bench
-    from kvtool.cli.generate import choose_profile
     from kvtool.models import load_model
 
     config = BenchConfig(prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch=batch, repeat=repeat)
-    if budget is not None and not 0.0 < budget <= 1.0:
-        raise KvtoolError(f"--budget must be a kept fraction in (0, 1], got {budget:g}")
-    if profile is not None and not profile.is_file():
-        raise KvtoolError(f"profile file not found: {profile}")
+    check_choice(budget, profile)
     if profile is None and budget is None:
         budget = DEFAULT_BUDGET
     loaded = load_model(model)
     config.check_fits(loaded.model)
-    chosen = choose_profile(loaded, budget, profile)
+    chosen = choose_cache_profile(loaded, budget, profile)
     assert chosen is not None  # a budget or a profile is always given here
     kv_profile, profile_note = chosen
     ids = long_prompts(loaded.tokenizer, config.prompt_tokens, config.batch).to(loaded.model.device)

@@ -66,7 +66,7 @@ def eval_command(
     ] = "local,h2o,elastic,prefixkv",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per prompt (ROUGE-L; PPL reference length).")] = 64,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per left-padded batch.")] = 4,
-    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle.")] = 1024,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle (which can drop a retrieval needle).")] = 2048,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
 ) -> None:
@@ -120,27 +120,67 @@ def _with_data_name(report: EvalReport, name: str) -> EvalReport:
 
 
 def render(console: Console, report: EvalReport) -> None:
+    with_accuracy = report.full_accuracy is not None
     table = Table(title=f"kvtool eval: {report.model} on {report.data} ({report.samples} prompts)")
     table.add_column("budget", justify="right")
     table.add_column("method")
     table.add_column("PPL", justify="right")
     table.add_column("ROUGE-L", justify="right")
+    if with_accuracy:
+        table.add_column("accuracy", justify="right")
     table.add_column("KV kept", justify="right")
     budgets = list(dict.fromkeys(r.budget for r in report.results))
     for budget in budgets:
         rows = [r for r in report.results if r.budget == budget]
         best_ppl = min(r.ppl for r in rows)
         best_rouge = max(r.rouge_l for r in rows)
+        best_accuracy = max((r.accuracy or 0.0) for r in rows)
         for i, r in enumerate(rows):
-            ppl = f"[bold]{r.ppl:.3f}[/]" if r.ppl == best_ppl and len(rows) > 1 else f"{r.ppl:.3f}"
-            rouge = f"[bold]{r.rouge_l:.3f}[/]" if r.rouge_l == best_rouge and len(rows) > 1 else f"{r.rouge_l:.3f}"
+            several = len(rows) > 1
+            ppl = f"[bold]{r.ppl:.3f}[/]" if r.ppl == best_ppl and several else f"{r.ppl:.3f}"
+            rouge = f"[bold]{r.rouge_l:.3f}[/]" if r.rouge_l == best_rouge and several else f"{r.rouge_l:.3f}"
             if not math.isnan(r.rouge_l_sem):
                 rouge += f" ± {r.rouge_l_sem:.3f}"
-            table.add_row(f"{budget:g}" if i == 0 else "", r.method, ppl, rouge, f"{r.kv_fraction:.1%}", end_section=i == len(rows) - 1)
+            cells = [f"{budget:g}" if i == 0 else "", r.method, ppl, rouge]
+            if with_accuracy:
+                accuracy = f"{r.accuracy:.3f}" if r.accuracy is not None else "-"
+                cells.append(f"[bold]{accuracy}[/]" if r.accuracy == best_accuracy and several else accuracy)
+            table.add_row(*cells, f"{r.kv_fraction:.1%}", end_section=i == len(rows) - 1)
     console.print(table)
+    if len(report.kind_rows) > 1:
+        console.print(kind_table(report))
+    full_accuracy = f", answer accuracy {report.full_accuracy:.3f}" if with_accuracy else ""
     console.print(
         f"full cache: PPL {report.full_ppl:.3f} on {report.reference_tokens} reference tokens "
-        f"({report.references}); ROUGE-L is against the full cache's greedy output (1.0 = identical; ± one standard error over prompts).",
+        f"({report.references}){full_accuracy}; ROUGE-L is against the full cache's greedy output (1.0 = identical; "
+        "± one standard error over prompts); accuracy is the share of expected answers found in the output.",
         soft_wrap=True,
     )
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)
+
+
+def kind_table(report: EvalReport) -> Table:
+    """PPL / ROUGE-L (/ accuracy) per kind of prompt: a pooled figure can hide a kind that breaks."""
+    kinds = report.kind_rows
+    table = Table(title="per kind: PPL / ROUGE-L (/ accuracy where the kind has answers)")
+    table.add_column("budget", justify="right")
+    table.add_column("method")
+    for kind, rows in kinds.items():
+        table.add_column(f"{kind} ({len(rows)})", justify="right")
+    full = ["", "full cache"]
+    for rows in kinds.values():
+        scores = report.full.subset(rows)
+        full.append(f"{scores.ppl:.3f} / 1" + (f" / {scores.mean_accuracy:.2f}" if scores.mean_accuracy is not None else ""))
+    table.add_row(*full, end_section=True)
+    budgets = list(dict.fromkeys(r.budget for r in report.results))
+    for budget in budgets:
+        rows_at = [r for r in report.results if r.budget == budget]
+        for i, r in enumerate(rows_at):
+            cells = [f"{budget:g}" if i == 0 else "", r.method]
+            for rows in kinds.values():
+                scores = r.per_prompt.subset(rows)
+                rouge = sum(scores.rouge_l) / len(scores.rouge_l)
+                accuracy = scores.mean_accuracy
+                cells.append(f"{scores.ppl:.3f} / {rouge:.2f}" + (f" / {accuracy:.2f}" if accuracy is not None else ""))
+            table.add_row(*cells, end_section=i == len(rows_at) - 1)
+    return table

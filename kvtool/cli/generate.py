@@ -12,34 +12,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
-from kvtool.errors import KvtoolError
+from kvtool.cli.profile_choice import check_choice, choose_cache_profile
 from kvtool.units import human_bytes
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
     from kvtool.models import LoadedModel
     from kvtool.runtime.generate import GenerationResult
-
-
-def choose_profile(loaded: LoadedModel, budget: float | None, profile_path: Path | None) -> tuple[Any, str] | None:
-    """The profile to generate with and a line saying where it came from; None = plain full cache.
-
-    --profile wins (re-derived for --budget when both are given); --budget alone uses the built-in
-    calibrated profile for the model when one ships with kvtool, else the same ratio in every layer.
-    """
-    from kvtool.profiles.builtin import builtin_profile
-    from kvtool.runtime import load_profile, uniform_profile
-
-    if profile_path is not None:
-        profile = load_profile(profile_path) if budget is None else load_profile(profile_path, budget=budget)
-        return profile, f"profile {profile_path} (budget {profile.budget:g})"
-    if budget is None:
-        return None
-    if not 0.0 < budget <= 1.0:
-        raise KvtoolError(f"--budget must be a kept fraction in (0, 1], got {budget:g}")
-    shipped = builtin_profile(loaded.name, budget)
-    if shipped is not None:
-        return load_profile(shipped), f"built-in calibrated profile {shipped.name} (budget {budget:g})"
-    return uniform_profile(loaded.model, budget), f"uniform profile: ratio {budget:g} in every layer"
 
 
 def result_to_dict(model_name: str, result: GenerationResult, cache_note: str) -> dict[str, Any]:
@@ -93,7 +71,7 @@ def generate_command(
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
     budget: Annotated[
         float | None,
-        typer.Option(help="Kept fraction of the KV cache in (0, 1]; built-in calibrated profile if one ships, else uniform."),
+        typer.Option(help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else calibrated now)."),
     ] = None,
     profile: Annotated[
         Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
@@ -104,21 +82,17 @@ def generate_command(
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.models import load_model
     from kvtool.models.prompts import check_prompts
+    from kvtool.runtime import attach
     from kvtool.runtime.generate import generate
 
     check_prompts(prompts)  # before the slow model load
-    if budget is not None and not 0.0 < budget <= 1.0:
-        raise KvtoolError(f"--budget must be a kept fraction in (0, 1], got {budget:g}")
-    if profile is not None and not profile.is_file():
-        raise KvtoolError(f"profile file not found: {profile}")
+    check_choice(budget, profile)
     loaded = load_model(model)
-    chosen = choose_profile(loaded, budget, profile)
+    chosen = choose_cache_profile(loaded, budget, profile)
     handle = None
     cache_factory = None
     cache_note = "full (uncompressed) cache"
     if chosen is not None:
-        from kvtool.runtime import attach
-
         handle = attach(loaded.model, chosen[0])
         cache_factory, cache_note = handle.new_cache, chosen[1]
     try:

@@ -1,4 +1,4 @@
-"""Quality metrics: ROUGE-L F1 (via the `rouge-score` package) and the standard error of a mean."""
+"""Quality metrics: ROUGE-L F1 (via the `rouge-score` package), answer accuracy, the standard error of a mean."""
 
 from __future__ import annotations
 
@@ -25,3 +25,10 @@ def rouge_l_f1(prediction: str, target: str) -> float:
 def standard_error(values: Sequence[float]) -> float:
     """Standard error of the mean (sample standard deviation / sqrt(n)); NaN below two values."""
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def answer_accuracy(prediction: str, answers: Sequence[str]) -> float:
+    """Share of the expected answers found in `prediction` (RULER's string-match-all: each answer
+    counts when it occurs anywhere in the output, case-insensitively)."""
+    text = prediction.lower()
+    return sum(answer.lower() in text for answer in answers) / len(answers)

@@ -10,6 +10,30 @@ from kvtool.evaluate.metrics import standard_error
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """Per prompt, in data order, so two methods (or two tools) can be compared prompt by prompt."""
+
+    nll: tuple[float, ...] = ()  # summed NLL of the prompt's reference tokens
+    tokens: tuple[int, ...] = ()  # reference tokens scored
+    rouge_l: tuple[float, ...] = ()
+    accuracy: tuple[float | None, ...] = ()  # None where the prompt has no expected answers
+
+    def subset(self, rows: list[int]) -> "PromptScores":
+        return PromptScores(*(tuple(values[i] for i in rows) if values else () for values in
+                              (self.nll, self.tokens, self.rouge_l, self.accuracy)))
+
+    @property
+    def ppl(self) -> float:
+        count = sum(self.tokens)
+        return math.exp(sum(self.nll) / count) if count else math.nan
+
+    @property
+    def mean_accuracy(self) -> float | None:
+        scored = [a for a in self.accuracy if a is not None]
+        return sum(scored) / len(scored) if scored else None
+
+
+@dataclass(frozen=True)
 class MethodResult:
     """One method at one budget, pooled over every evaluation prompt."""
 
@@ -21,11 +45,25 @@ class MethodResult:
     tokens: int  # reference tokens scored
     # Per prompt, in data order, so two methods can be compared prompt by prompt (paired).
     rouge_l_per_prompt: tuple[float, ...] = ()
+    per_prompt: PromptScores = field(default_factory=PromptScores)
 
     @property
     def rouge_l_sem(self) -> float:
         """Standard error of the mean ROUGE-L over prompts: how far the prompt count lets us trust a gap."""
         return standard_error(self.rouge_l_per_prompt)
+
+    @property
+    def accuracy(self) -> float | None:
+        """Mean answer accuracy over the prompts that have expected answers; None when none has."""
+        return self.per_prompt.mean_accuracy
+
+
+@dataclass(frozen=True)
+class FullOutput:
+    """The full cache's greedy output of one prompt: the ROUGE-L target (and PPL reference)."""
+
+    text: str
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -41,6 +79,22 @@ class EvalReport:
     results: tuple[MethodResult, ...]
     seconds: float
     outputs: dict[str, Any] = field(default_factory=dict)
+    kinds: tuple[str | None, ...] = ()  # per prompt, in data order (None: the row names no kind)
+    full_outputs: tuple[FullOutput, ...] = ()  # per prompt, in data order
+    full: PromptScores = field(default_factory=PromptScores)  # the full cache's own NLL and accuracy
+
+    @property
+    def kind_rows(self) -> dict[str, list[int]]:
+        """Prompt indices per kind, in first-seen order (empty when no row names a kind)."""
+        rows: dict[str, list[int]] = {}
+        for index, kind in enumerate(self.kinds):
+            if kind is not None:
+                rows.setdefault(kind, []).append(index)
+        return rows
+
+    @property
+    def full_accuracy(self) -> float | None:
+        return self.full.mean_accuracy
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` contract: `full_ppl` and `results` keep these names; the rest is context."""
@@ -51,9 +105,21 @@ class EvalReport:
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
                     "kv_fraction": r.kv_fraction, "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
+                    "accuracy": r.accuracy,
+                    "accuracy_per_prompt": list(r.per_prompt.accuracy),
+                    "nll_per_prompt": list(r.per_prompt.nll),
+                    "tokens_per_prompt": list(r.per_prompt.tokens),
+                    "kinds": {kind: _kind_summary(r.per_prompt.subset(rows)) for kind, rows in self.kind_rows.items()},
                 }
                 for r in self.results
             ],
+            "full_accuracy": self.full_accuracy,
+            "full_kinds": {
+                kind: {"ppl": self.full.subset(rows).ppl, "accuracy": self.full.subset(rows).mean_accuracy, "samples": len(rows)}
+                for kind, rows in self.kind_rows.items()
+            },
+            "kinds_per_prompt": list(self.kinds),
+            "full_outputs": [{"text": o.text, "token_ids": list(o.token_ids)} for o in self.full_outputs],
             "model": self.model,
             "data": self.data,
             "samples": self.samples,
@@ -68,3 +134,13 @@ class EvalReport:
 def _finite(x: float) -> float | None:
     # JSON has no NaN; one prompt has no standard error.
     return None if math.isnan(x) else x
+
+
+def _kind_summary(scores: PromptScores) -> dict[str, Any]:
+    return {
+        "ppl": scores.ppl,
+        "rouge_l": sum(scores.rouge_l) / len(scores.rouge_l),
+        "rouge_l_sem": _finite(standard_error(scores.rouge_l)),
+        "accuracy": scores.mean_accuracy,
+        "samples": len(scores.rouge_l),
+    }

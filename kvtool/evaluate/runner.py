@@ -14,20 +14,24 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtool.profiles.budget import check_budget
+from kvtool.calibrate.choose import choose_profiles
 from kvtool.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
 from kvtool.errors import KvtoolError
-from kvtool.evaluate.metrics import rouge_l_f1
-from kvtool.evaluate.results import EvalReport, MethodResult
+from kvtool.evaluate.metrics import answer_accuracy, rouge_l_f1
+from kvtool.evaluate.results import EvalReport, FullOutput, MethodResult, PromptScores
+from kvtool.models import image_token_ids
 from kvtool.models.loader import as_loaded, eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
-from kvtool.runtime.methods import get_method
+from kvtool.profiles.budget import check_budget
+from kvtool.runtime import attach
+from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.runtime.methods import get_method, method_profile
 from kvtool.scoring import (
     Batch,
     NllTotal,
@@ -53,7 +57,7 @@ class EvalConfig:
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
     max_new_tokens: int = 64
     batch_size: int = 4
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = 2048  # the packaged retrieval prompts reach ~1.9k tokens; a cut could drop a needle
 
     def checked(self) -> "EvalConfig":
         if not self.methods:
@@ -78,22 +82,48 @@ class _BatchTargets:
     batch: Batch
     references: References  # PPL references (answers or the full greedy continuation)
     full_texts: list[str]  # full-cache greedy outputs, per row
+    full_ids: list[tuple[int, ...]]  # their token ids, per row
+
+
+@dataclass
+class _PerPrompt:
+    """Per-prompt scores filled in data order (batches group prompts by length)."""
+
+    size: int
+    nll: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    rouge_l: list[float] = field(default_factory=list)
+    accuracy: list[float | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nll, self.tokens = [0.0] * self.size, [0] * self.size
+        self.rouge_l, self.accuracy = [math.nan] * self.size, [None] * self.size
+
+    def add_nll(self, rows: tuple[int, ...], nll: torch.Tensor, scored: torch.Tensor) -> None:
+        for b, row in enumerate(rows):
+            self.nll[row] = float(nll[b][scored[b]].sum())
+            self.tokens[row] = int(scored[b].sum())
+
+    def scores(self) -> PromptScores:
+        return PromptScores(tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy))
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:
     pass
 
 
+def _token_ids(refs: References) -> list[tuple[int, ...]]:
+    return [tuple(refs.tokens[b][refs.scored[b]].tolist()) for b in range(refs.tokens.shape[0])]
+
+
 def _texts(tokenizer: Any, refs: References) -> list[str]:
-    return [
-        tokenizer.decode(refs.tokens[b][refs.scored[b]].tolist(), skip_special_tokens=True).strip()
-        for b in range(refs.tokens.shape[0])
-    ]
+    return [tokenizer.decode(list(ids), skip_special_tokens=True).strip() for ids in _token_ids(refs)]
 
 
 class _Evaluation:
-    def __init__(self, loaded: Any, config: EvalConfig, progress: Progress) -> None:
+    def __init__(self, loaded: Any, config: EvalConfig, records: Sequence[Record], progress: Progress) -> None:
         self.loaded = loaded
+        self.records = records
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.config = config
@@ -107,10 +137,17 @@ class _Evaluation:
             eos_ids=self.eos, pad_id=self.pad, answers=[None] * len(batch.rows),
         )
 
-    def full_pass(self, batches: list[Batch], answers: list[list[list[int] | None]]) -> tuple[list[_BatchTargets], NllTotal]:
+    def _accuracy(self, rows: tuple[int, ...], texts: list[str], into: _PerPrompt) -> None:
+        for row, text in zip(rows, texts):
+            if self.records[row].answers:
+                into.accuracy[row] = answer_accuracy(text, self.records[row].answers)
+
+    def full_pass(
+        self, batches: list[Batch], answers: list[list[list[int] | None]]
+    ) -> tuple[list[_BatchTargets], NllTotal, _PerPrompt]:
         from transformers import DynamicCache
 
-        targets, total = [], NllTotal()
+        targets, total, per_prompt = [], NllTotal(), _PerPrompt(len(self.records))
         for done, (batch, batch_answers) in enumerate(zip(batches, answers)):
             self.progress(STAGE_FULL, done, len(batches))
             cache = DynamicCache(config=self.model.config)
@@ -124,9 +161,12 @@ class _Evaluation:
             else:
                 refs = greedy = self._greedy(cache, first, batch)
             total.add(refs.nll_full, refs.scored)
-            targets.append(_BatchTargets(batch, refs, _texts(self.tokenizer, greedy)))
+            per_prompt.add_nll(batch.rows, refs.nll_full, refs.scored)
+            texts = _texts(self.tokenizer, greedy)
+            self._accuracy(batch.rows, texts, per_prompt)
+            targets.append(_BatchTargets(batch, refs, texts, _token_ids(greedy)))
         self.progress(STAGE_FULL, len(batches), len(batches))
-        return targets, total
+        return targets, total, per_prompt
 
     def _answer_length(self, batch_answers: list[list[int] | None]) -> int:
         # Answers are scored whole; rows without one score the greedy continuation (max_new_tokens).
@@ -134,10 +174,8 @@ class _Evaluation:
         return max([self.config.max_new_tokens, *lengths])
 
     def method_pass(self, profile: Profile, method: str, budget: float, targets: list[_BatchTargets], tick: Callable[[], None]) -> MethodResult:
-        from kvtool.runtime import attach
-        from kvtool.runtime.memory import kv_bytes, kv_bytes_full
-
-        nll, rouge, kept, full = NllTotal(), [], 0, 0
+        nll, kept, full = NllTotal(), 0, 0
+        per_prompt = _PerPrompt(len(self.records))
         with attach(self.model, profile) as handle:
             for target in targets:
                 cache = handle.new_cache()
@@ -145,14 +183,20 @@ class _Evaluation:
                 greedy_cache = copy.deepcopy(cache)
                 scores = teacher_forced_nll(self.model, cache, first, target.batch, target.references)
                 nll.add(scores, target.references.scored)
+                per_prompt.add_nll(target.batch.rows, scores, target.references.scored)
                 greedy = self._greedy(greedy_cache, first, target.batch)
                 kept += kv_bytes(greedy_cache)
                 full += kv_bytes_full(greedy_cache)
-                rouge += [rouge_l_f1(p, t) for p, t in zip(_texts(self.tokenizer, greedy), target.full_texts)]
+                texts = _texts(self.tokenizer, greedy)
+                for row, text, target_text in zip(target.batch.rows, texts, target.full_texts):
+                    per_prompt.rouge_l[row] = rouge_l_f1(text, target_text)
+                self._accuracy(target.batch.rows, texts, per_prompt)
                 tick()
+        rouge = per_prompt.rouge_l
         return MethodResult(
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
+            per_prompt=per_prompt.scores(),
         )
 
 
@@ -181,17 +225,24 @@ def evaluate(
     if not records:
         raise KvtoolError("no evaluation prompts")
     loaded = as_loaded(model, "evaluate")
-    bases, source = _base_profiles(loaded, config, profile, report, say)
+    # Every method shares the calibrated profile's sinks, recent window and D; without per-layer
+    # methods a model with no calibrated profile is not calibrated just for those.
+    chosen = choose_profiles(
+        loaded, config.budgets, profile_path=profile,
+        calibrate_missing=any(get_method(m).per_layer for m in config.methods), progress=report, notify=say,
+    )
+    bases = {budget: c.profile for budget, c in chosen.items()}
+    source = "; ".join(f"{b:g}: {c.source}" for b, c in chosen.items()) or "none needed (no per-layer method)"
     settings = next(iter(bases.values())).method if bases else MethodSettings()
 
     _note_text_prior(loaded, config, records, say)
     batches, answers = encode_batches(
         loaded, records, max_tokens=config.max_prompt_tokens, method=settings, batch_size=config.batch_size
     )
-    run = _Evaluation(loaded, config, report)
+    run = _Evaluation(loaded, config, records, report)
     results = []
     with torch.inference_mode():
-        targets, full_nll = run.full_pass(batches, answers)
+        targets, full_nll, full_scores = run.full_pass(batches, answers)
         total = len(config.methods) * len(config.budgets) * len(batches)
         done = 0
 
@@ -201,8 +252,6 @@ def evaluate(
             report(STAGE_COMPRESSED, done, total)
 
         report(STAGE_COMPRESSED, 0, total)
-        from kvtool.runtime.methods import method_profile
-
         for budget in config.budgets:
             for name in config.methods:
                 method_prof = method_profile(name, loaded.model, budget, bases.get(budget))
@@ -213,14 +262,22 @@ def evaluate(
         model=loaded.name, data=data_name, samples=len(records), max_new_tokens=config.max_new_tokens,
         references=kind, full_ppl=full_nll.ppl(), reference_tokens=full_nll.count, profile_source=source,
         results=tuple(results), seconds=time.perf_counter() - started,
+        kinds=tuple(r.kind for r in records), full_outputs=_full_outputs(targets, len(records)),
+        full=full_scores.scores(),
     )
+
+
+def _full_outputs(targets: list[_BatchTargets], size: int) -> tuple[FullOutput, ...]:
+    outputs: list[FullOutput | None] = [None] * size
+    for target in targets:
+        for row, text, ids in zip(target.batch.rows, target.full_texts, target.full_ids):
+            outputs[row] = FullOutput(text, ids)
+    return tuple(outputs)
 
 
 def _note_text_prior(loaded: Any, config: EvalConfig, records: Sequence[Record], say: Notify) -> None:
     """Say so when a text-prior method runs where no prompt has image tokens (the prior then ranks
     nothing differently: the method is importance anchors + its merging)."""
-    from kvtool.runtime.attach import image_token_ids
-
     names = [m for m in config.methods if get_method(m).selection == "text-prior"]
     if not names or any(r.images for r in records):
         return
@@ -235,30 +292,3 @@ def _note_text_prior(loaded: Any, config: EvalConfig, records: Sequence[Record],
             f"note: {name}'s text prior is a no-op here ({why}: no image tokens), so {name} = importance "
             f"anchors + {method.merge} merging, the same ratio in every layer"
         )
-
-
-def _base_profiles(loaded: Any, config: EvalConfig, profile: str | Path | None, progress: Progress, say: Notify) -> tuple[dict[float, Profile], str]:
-    """Per budget, the calibrated profile methods draw ratios (per-layer ones) and settings from."""
-    from kvtool.profiles.builtin import builtin_profiles
-    from kvtool.runtime import load_profile
-
-    if profile is not None:
-        base = load_profile(profile)
-        return {b: base for b in config.budgets}, f"profile {profile} (calibrated for budget {base.budget:g})"
-    shipped = builtin_profiles(loaded.name)
-    if shipped:
-        profiles = {path.name: load_profile(path) for path in shipped}
-        chosen = {b: min(profiles.items(), key=lambda item: (abs(item[1].budget - b), item[1].budget)) for b in config.budgets}
-        names = sorted({name for name, _ in chosen.values()})
-        return {b: p for b, (_, p) in chosen.items()}, f"built-in {', '.join(names)}"
-    if not any(get_method(m).per_layer for m in config.methods):
-        return {}, "none needed (no per-layer method)"
-    from kvtool.calibrate.runner import calibrate
-
-    budget = min(config.budgets, key=lambda b: (abs(b - 0.2), b))
-    say(
-        f"no calibrated profile for {loaded.name}: calibrating on the packaged calibration prompts at budget "
-        f"{budget:g} first (pass --profile to use your own)"
-    )
-    result = calibrate(loaded, budget, progress=progress)
-    return {b: result.profile for b in config.budgets}, f"calibrated now on the packaged prompts (budget {budget:g})"
