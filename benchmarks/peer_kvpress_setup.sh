@@ -17,7 +17,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv-kvpress"
 python="${PYTHON:-python3}"
 
-if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import kvpress, rouge_score" 2>/dev/null; then
+# find_spec, not import: importing kvpress loads torch and transformers (half a minute on a busy CPU).
+installed='import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("kvpress", "rouge_score")))'
+if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "$installed" 2>/dev/null; then
     "$python" -m venv "$venv"
     "$venv/bin/pip" install --quiet torch==2.13.0
     "$venv/bin/pip" install --quiet kvpress==0.5.5 rouge-score
