@@ -6,7 +6,7 @@ nothing from kvtool: the protocol pieces it needs are restated here, each next t
 mirrors, so the two tools are judged the same way:
 
 - each prompt is one user turn through the tokenizer's chat template with the generation prompt,
-  cut in the middle above `--max-prompt-tokens` (kvtool.calibrate.batches.encode_prompt);
+  cut in the middle above `--max-prompt-tokens` (kvtool.scoring.encoding.encode_prompt);
 - batch size 1; greedy decoding of `--max-new-tokens`, stopping at EOS (which is kept and scored);
 - the full cache's greedy output is the reference, or the `full_outputs` of a `kvtool eval --json`
   file given with `--references`, so both tools are judged against the very same references;
@@ -55,8 +55,8 @@ DEFAULT_PRESSES = (
 DEFAULT_BUDGETS = (0.1, 0.2, 0.5)
 DEFAULT_MAX_NEW_TOKENS = 64
 # kvtool eval's default (EvalConfig.max_prompt_tokens); pass the same value to both tools.
-DEFAULT_MAX_PROMPT_TOKENS = 1024
-# kvtool.calibrate.batches: the middle of an over-long prompt goes, 3/4 of what stays from its start.
+DEFAULT_MAX_PROMPT_TOKENS = 2048
+# kvtool.scoring.encoding: the middle of an over-long prompt goes, 3/4 of what stays from its start.
 ELISION = "\n[...]\n"
 HEAD_SHARE = 0.75
 SNAPKV_WINDOW = 64  # SnapKVPress's default window_size; it refuses prompts not longer than this
@@ -460,7 +460,7 @@ def _chat_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def encode_prompt(tokenizer: Any, prompt: str, max_tokens: int) -> list[int]:
-    """kvtool.calibrate.batches.encode_prompt: chat-formatted ids, cut in the middle to max_tokens."""
+    """kvtool.scoring.encoding.encode_prompt: chat-formatted ids, cut in the middle to max_tokens."""
     ids = _chat_ids(tokenizer, prompt)
     if len(ids) <= max_tokens:
         return ids

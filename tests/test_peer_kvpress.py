@@ -188,7 +188,7 @@ def test_bad_arguments(model_dir, extra, message):
 def test_arguments_parse(model_dir):
     options = peer.parse_args(["--model-dir", str(model_dir), "--presses", "knorm,tova,knorm", "--budgets", "0.5,0.1"])
     assert options.presses == ("knorm", "tova") and options.budgets == (0.5, 0.1)
-    assert options.max_new_tokens == 64 and options.max_prompt_tokens == 1024 and options.data == peer.DEFAULT_DATA
+    assert options.max_new_tokens == 64 and options.max_prompt_tokens == 2048 and options.data == peer.DEFAULT_DATA
 
 
 def test_main_reports_one_line_and_exit_2(tmp_path, model_dir, capsys):
