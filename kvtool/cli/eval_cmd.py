@@ -149,11 +149,14 @@ def render(console: Console, report: EvalReport) -> None:
     console.print(table)
     if len(report.kind_rows) > 1:
         console.print(kind_table(report))
-    full_accuracy = f", answer accuracy {report.full_accuracy:.3f}" if with_accuracy else ""
+    accuracy = (
+        f", answer accuracy {report.full_accuracy:.3f}" if with_accuracy else "",
+        "; accuracy is the share of expected answers found in the output" if with_accuracy else "",
+    )
     console.print(
         f"full cache: PPL {report.full_ppl:.3f} on {report.reference_tokens} reference tokens "
-        f"({report.references}){full_accuracy}; ROUGE-L is against the full cache's greedy output (1.0 = identical; "
-        "± one standard error over prompts); accuracy is the share of expected answers found in the output.",
+        f"({report.references}){accuracy[0]}; ROUGE-L is against the full cache's greedy output (1.0 = identical; "
+        f"± one standard error over prompts){accuracy[1]}.",
         soft_wrap=True,
     )
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)
