@@ -33,6 +33,7 @@ from kvtool.runtime.importance import (
 from kvtool.runtime.layer import GROWTH_SLOTS, LayerPlan
 from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.scoring import WindowScorer
+from kvtool.runtime.selection import select_rule
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
 
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -490,6 +491,25 @@ def test_per_head_selection_in_a_padded_batch_is_each_heads_top_k(llama, monkeyp
                 assert kept == brute_force_anchors(score[h].tolist(), keep, max(RECENT, 6)), (b, index, h)
             differ += not torch.equal(layer.order[b, 0][layer.valid[b]], layer.order[b, 1][layer.valid[b]])
     assert differ >= 6  # the heads really keep different entries: per-head is not shared here
+
+
+@pytest.mark.parametrize("merge", ["position", "similarity-avg", "similarity-pivot", "similarity-weighted"])
+def test_per_head_merging_rebuilds_the_shared_cache_when_heads_choose_alike(llama, merge):
+    """`recent` keeps the same positions in every head, so merging each head on its own must give the
+    shared layer's entries: per-head selection hands every merge mode one head at a time correctly."""
+    seqs = prompts([45, 30], seed=12)
+    profile = recipe_profile(llama, merge=merge)
+    caches = {}
+    with torch.no_grad(), attach(llama, profile):
+        for heads in ("shared", "per-head"):
+            caches[heads] = KvtoolCache(llama.config, rules_plans(profile, heads=heads, select=select_rule("recent")))
+            llama(**left_pad(seqs), past_key_values=caches[heads])
+    for shared, per_head in zip(caches["shared"].layers, caches["per-head"].layers):
+        assert per_head.per_head and torch.equal(shared.valid, per_head.valid)
+        assert torch.equal(per_head.order, shared.order[:, None].expand_as(per_head.order))
+        valid = shared.valid[:, None, :, None]
+        assert torch.allclose(per_head.keys * valid, shared.keys * valid, atol=1e-12, rtol=0)
+        assert torch.allclose(per_head.values * valid, shared.values * valid, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.999])

@@ -13,8 +13,9 @@ Per-head layers (plan `heads="per-head"`) let each KV head keep its own entries,
 every head, packed into the same slots: keys/values stay [B, Hkv, S, D] and slot validity stays
 shared ([B, S]), so attention needs no new mask and memory shrinks for real. What differs per head
 (`order`, `frozen`, `score`, `image`, `attention`) is [B, Hkv, S] there. When heads drop different
-entries, each head's victim slot takes that head's entry from the row's last valid slot, and the
-last slot is freed: every head loses exactly its victim and the layout stays rectangular.
+entries (tova, heavy-hitter), each head's victim slot takes that head's entry from the row's last
+valid slot, and the last slot is freed: every head loses exactly its victim and the layout stays
+rectangular. Queue rules (fixed-point, sliding) name the same slot in every head, which is freed.
 """
 
 from __future__ import annotations
@@ -430,19 +431,18 @@ class CompressingLayer(DynamicLayer):
             return
         victim = self.plan.evict.victim(self)
         rows = torch.as_tensor(np.flatnonzero(over), device=self.valid.device)
-        if self.per_head:
+        if victim.dim() == 2:
             self._drop_per_head(rows, victim)
         else:
+            # One slot for every head (shared layers; queue rules in per-head layers): just free it.
             self.valid[rows, victim[rows]] = False
         self.kept = self.kept - over
 
     def _drop_per_head(self, rows: torch.Tensor, victim: torch.Tensor) -> None:
-        """In each of `rows`, every KV head drops its victim slot ([B] shared or [B, Hkv] per head): the
-        row's last valid slot moves into it, head by head, and is freed. Victims that are the last
-        slot itself move onto themselves. One indexed copy per tensor, no loop over heads."""
+        """In each of `rows`, every KV head drops its own victim slot (`victim` [B, Hkv]): the row's last
+        valid slot moves into it, head by head, and is freed. Victims that are the last slot itself
+        move onto themselves. One indexed copy per tensor, no loop over heads."""
         heads = self.keys.shape[1]
-        if victim.dim() == 1:
-            victim = victim[:, None].expand(-1, heads)
         target = victim[rows]  # [R, Hkv]
         slots = torch.arange(self.valid.shape[1], device=self.valid.device)
         last = torch.where(self.valid[rows], slots, -1).amax(dim=1)  # [R]

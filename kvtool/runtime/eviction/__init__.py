@@ -4,7 +4,7 @@ rule is one new module registered here."""
 from __future__ import annotations
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen
+from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
 from kvtool.runtime.eviction.fixed_point import FixedPoint, frozen_prefix
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.eviction.none import PromptOnly
@@ -23,4 +23,4 @@ def evict_rule(name: str) -> EvictRule:
         raise KvtoolError(f"unknown eviction rule {name!r} (known: {', '.join(EVICT_RULES)})") from None
 
 
-__all__ = ["FixedPoint", "PromptOnly", "Tova", "EVICT_RULES", "EvictRule", "evict_rule", "frozen_prefix", "oldest_unfrozen"]
+__all__ = ["FixedPoint", "PromptOnly", "Tova", "EVICT_RULES", "EvictRule", "evict_rule", "frozen_prefix", "oldest_unfrozen", "queue_view"]

@@ -19,7 +19,7 @@ class EvictRule(ABC):
     Per-head layers (`layer.per_head`) hold different entries in each KV head: their `order`, `frozen`,
     `score` and `attention` are [B, Hkv, S] while `valid` stays [B, S] (`entry_valid(layer)` is valid
     shaped to broadcast against them). A rule may then name one victim per head ([B, Hkv]); the layer
-    drops each head's own victim and keeps the cache rectangular.
+    drops each head's own victim and keeps the cache rectangular. A [B] victim is freed in every head.
     """
 
     name: ClassVar[str]
@@ -45,6 +45,19 @@ def entry_valid(layer) -> torch.Tensor:
     """The layer's slot validity shaped to broadcast against its per-entry metadata ([B, S] or [B, 1, S])."""
     valid = layer.valid
     return valid if layer.order.dim() == valid.dim() else valid.unsqueeze(1)
+
+
+def queue_view(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """valid, frozen and order for the queue rules (fixed-point, sliding), all [B, S].
+
+    In a per-head layer these rules name one slot for every head, which the layer frees without moving
+    anything. So every head keeps its compressed prompt in position order in the same slots, and each
+    new token sits in the same slot in every head: the heads rank their slots by age alike, and the
+    oldest unfrozen slot of head 0 is that of every head (a reference test decodes each head alone).
+    """
+    if layer.order.dim() == 3:
+        return layer.valid, layer.frozen[:, 0], layer.order[:, 0]
+    return layer.valid, layer.frozen, layer.order
 
 
 def oldest_unfrozen(valid: torch.Tensor, frozen: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
