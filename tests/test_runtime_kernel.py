@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtool.runtime import attach, uniform_profile
-from kvtool.runtime.importance import _block_rows, attention_importance, attention_with_importance
+from kvtool.runtime.importance import _block_rows, attention_importance, attention_with_importance, attention_with_scores
 from tiny_models import GREEDY, left_pad, prompts, tiny_llama
 
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -82,9 +82,9 @@ def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatc
 
     def counted(*args):
         calls.append(args[0].shape)
-        return attention_with_importance(*args)
+        return attention_with_scores(*args)
 
-    monkeypatch.setattr(attention, "attention_with_importance", counted)
+    monkeypatch.setattr(attention, "attention_with_scores", counted)
     with torch.no_grad():
         full = model.generate(**inputs, max_new_tokens=8, **GREEDY)
         with attach(model, uniform_profile(model, 0.999)) as handle:

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvtool.runtime.importance import attention_importance, attention_with_importance, decode_attention_with_scores
+from kvtool.runtime.importance import attention_with_scores, decode_attention_with_scores, prompt_scores
 from kvtool.runtime.layer import CompressingLayer
 
 ATTENTION_NAME = "kvtool"
@@ -50,22 +50,23 @@ def kvtool_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if not layer.compressed:
-        importance = None
+        scores = None
+        request = layer.score_request
         if layer.compresses and _plain_softmax_attention(dropout, kwargs):
-            # One pass over the scores gives both the output and the importance.
-            output, importance = attention_with_importance(query, key, value, attention_mask, scaling)
+            # One pass over the probabilities gives the output and every score the layer needs.
+            output, scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
             out = (output, None)
         else:
             # Budget 1.0 keeps sdpa's own output bit for bit; scoring (if any) runs beside it.
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
             if layer.needs_importance:
-                importance = attention_importance(query, key, attention_mask, scaling)
-        layer.compress_prompt(attention_mask, importance)
+                scores = prompt_scores(query, key, attention_mask, scaling, request)
+        layer.compress_prompt(attention_mask, scores)
         return out
     layer.discard_padded_token(attention_mask)
     mask = layer.slot_mask()
     if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
-        output, received = decode_attention_with_scores(query, key, value, mask, scaling)
+        output, received = decode_attention_with_scores(query, key, value, mask, scaling, per_head=layer.per_head)
         layer.add_scores(received)
         out = (output, None)
     else:

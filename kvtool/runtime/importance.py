@@ -6,6 +6,8 @@ normal sdpa kernel that produced the layer's output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Elements of one chunk's score tensor on the portable path; 2**24 floats = 64 MiB in float32.
@@ -16,6 +18,39 @@ CHUNK_ELEMENTS = 2**24
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half-precision softmax column sums over thousands of rows lose too much; float64 stays float64.
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What a prompt pass scores beside the layer-averaged column sums (which it always gives).
+
+    heads: also the column sums per KV head. window: also, per KV head, the attention the last
+    `window` real prompt rows give each column (0: not needed).
+    """
+
+    heads: bool = False
+    window: int = 0
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Attention received per prompt column, from one pass over the prompt's probabilities.
+
+    importance: [B, n], column sums over every query row, averaged over all query heads (what
+        calibration and the `attention-sum` scorer read).
+    heads: [B, Hkv, n] or None, the same column sums averaged over each KV head's query heads
+        (their mean over KV heads is `importance`).
+    window: [B, Hkv, n] or None, per KV head the sum over the last `window` real query rows of
+        A[row, column], averaged over the KV head's query heads (unpooled).
+    Padded columns are 0 everywhere; padded query rows contribute nothing.
+    """
+
+    importance: torch.Tensor
+    heads: torch.Tensor | None = None
+    window: torch.Tensor | None = None
+
+
+NO_EXTRAS = ScoreRequest()
 
 
 def attention_importance(
@@ -31,13 +66,23 @@ def attention_importance(
     Returns [B, n]: I[b, j] = (1/Hq) * sum_heads sum_rows A[row, j]. Padded query rows (all-False
     mask rows) and padded key columns contribute nothing.
     """
+    return prompt_scores(query, keys, mask, scaling).importance
+
+
+def prompt_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    request: ScoreRequest = NO_EXTRAS,
+) -> PromptScores:
+    """`attention_importance` plus what `request` asks for, without the attention output."""
     if _blocked_applies(query):
         # No values: the output GEMM has zero width.
-        fused = _blocked_attention_with_importance(query, keys, keys[..., :0], mask, scaling)
+        fused = _blocked_attention(query, keys, keys[..., :0], mask, scaling, request)
         if fused is not None:
             return fused[1]
-    _, importance = _chunked_attention(query, keys, None, mask, scaling, CHUNK_ELEMENTS)
-    return importance
+    return _chunked_scores(query, keys, None, mask, scaling, CHUNK_ELEMENTS, request)[1]
 
 
 def attention_with_importance(
@@ -52,11 +97,28 @@ def attention_with_importance(
     One pass over the scores serves both, so scoring the prompt costs little beyond the attention
     the layer computes anyway. Padded query rows get a zero output.
     """
+    out, scores = attention_with_scores(query, keys, values, mask, scaling)
+    return out, scores.importance
+
+
+def attention_with_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    request: ScoreRequest = NO_EXTRAS,
+) -> tuple[torch.Tensor, PromptScores]:
+    """`attention_with_importance` with the extra scores `request` asks for, from the same pass.
+
+    The window rows are the last rows of the pass, so the window score adds one reduction over the
+    last block(s) only; per-head column sums replace the block's full reduction by a per-head one.
+    """
     if _blocked_applies(query):
-        fused = _blocked_attention_with_importance(query, keys, values, mask, scaling)
+        fused = _blocked_attention(query, keys, values, mask, scaling, request)
         if fused is not None:
             return fused
-    return _chunked_attention(query, keys, values, mask, scaling, CHUNK_ELEMENTS)
+    return _chunked_scores(query, keys, values, mask, scaling, CHUNK_ELEMENTS, request)
 
 
 def _blocked_applies(query: torch.Tensor) -> bool:
@@ -78,7 +140,7 @@ def _left_padded_causal(mask: torch.Tensor | None, bsz: int, n: int, device) -> 
     return starts if torch.equal(mask, expected) else None
 
 
-def _blocked_attention_with_importance(query, keys, values, mask, scaling):
+def _blocked_attention(query, keys, values, mask, scaling, request):
     """CPU path, one sequence at a time with its left padding cut off (anything else takes the
     chunked path).
 
@@ -92,15 +154,23 @@ def _blocked_attention_with_importance(query, keys, values, mask, scaling):
     starts = _left_padded_causal(mask, bsz, n, query.device)
     if starts is None:
         return None
+    n_kv_heads = keys.shape[1]
+    acc = accumulation_dtype(query.dtype)
     out = query.new_zeros(bsz, n_heads, n, values.shape[-1])
-    importance = torch.zeros(bsz, n, dtype=accumulation_dtype(query.dtype), device=query.device)
+    importance = torch.zeros(bsz, n, dtype=acc, device=query.device)
+    heads = torch.zeros(bsz, n_kv_heads, n, dtype=acc, device=query.device) if request.heads else None
+    window = torch.zeros(bsz, n_kv_heads, n, dtype=acc, device=query.device) if request.window else None
     for b, start in enumerate(starts.tolist()):
-        seq_out, seq_importance = _causal_blocks(
-            query[b, :, start:], keys[b, :, start:], values[b, :, start:], scaling
+        seq_out, seq_importance, seq_heads, seq_window = _causal_blocks(
+            query[b, :, start:], keys[b, :, start:], values[b, :, start:], scaling, request
         )
         out[b, :, start:] = seq_out
         importance[b, start:] = seq_importance
-    return out.transpose(1, 2).contiguous(), importance
+        if heads is not None:
+            heads[b, :, start:] = seq_heads
+        if window is not None:
+            window[b, :, start:] = seq_window
+    return out.transpose(1, 2).contiguous(), PromptScores(importance, heads, window)
 
 
 # Score elements per row block: 2**22 float32 = 16 MiB, small enough to stay in cache between the
@@ -114,8 +184,9 @@ def _block_rows(n_heads: int, m: int) -> int:
     return max(16, min(256, BLOCK_ELEMENTS // max(1, n_heads * m)))
 
 
-def _causal_blocks(query, keys, values, scaling):
-    """Causal attention of one unpadded sequence: ([Hq, m, Dv] output, [m] importance)."""
+def _causal_blocks(query, keys, values, scaling, request=NO_EXTRAS):
+    """Causal attention of one unpadded sequence: [Hq, m, Dv] output, [m] importance, and the
+    [Hkv, m] per-head column sums and window sums when `request` asks for them (else None)."""
     n_heads, m, head_dim = query.shape
     n_kv_heads = keys.shape[0]
     groups = n_heads // n_kv_heads
@@ -123,6 +194,9 @@ def _causal_blocks(query, keys, values, scaling):
     k_t = keys.transpose(1, 2)  # [Hkv, D, m]
     out = query.new_empty(n_kv_heads, groups, m, values.shape[-1])
     total = torch.zeros(m, dtype=query.dtype, device=query.device)
+    heads = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.heads else None
+    window = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.window else None
+    first_window_row = m - min(request.window, m)
     rows = _block_rows(n_heads, m)
     future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
     for r0 in range(0, m, rows):
@@ -134,8 +208,20 @@ def _causal_blocks(query, keys, values, scaling):
         scores[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(n_kv_heads, groups * c, r1)
         out[:, :, r0:r1] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
-        total[:r1] += probs.sum(dim=(0, 1))
-    return out.view(n_heads, m, -1), total.to(accumulation_dtype(query.dtype)) / n_heads
+        if heads is None:
+            total[:r1] += probs.sum(dim=(0, 1))
+        else:
+            per_head = probs.sum(dim=1)  # [Hkv, r1]
+            heads[:, :r1] += per_head
+            total[:r1] += per_head.sum(dim=0)
+        if window is not None and r1 > first_window_row:
+            # The window is the sequence's last rows: only the last block(s) reach this.
+            lo = max(first_window_row, r0) - r0
+            window[:, :r1] += probs.view(n_kv_heads, groups, c, r1)[:, :, lo:].sum(dim=(1, 2))
+    acc = accumulation_dtype(query.dtype)
+    heads = None if heads is None else heads.to(acc) / groups
+    window = None if window is None else window.to(acc) / groups
+    return out.view(n_heads, m, -1), total.to(acc) / n_heads, heads, window
 
 
 def _chunked_attention(
@@ -146,6 +232,20 @@ def _chunked_attention(
     scaling: float,
     chunk_elements: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The portable path's output and [B, n] importance."""
+    out, scores = _chunked_scores(query, keys, values, mask, scaling, chunk_elements)
+    return out, scores.importance
+
+
+def _chunked_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scaling: float,
+    chunk_elements: int,
+    request: ScoreRequest = NO_EXTRAS,
+) -> tuple[torch.Tensor | None, PromptScores]:
     bsz, n_heads, n_q, head_dim = query.shape
     n_kv_heads, n_k = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv_heads
@@ -167,6 +267,11 @@ def _chunked_attention(
         out = torch.empty(bsz, n_kv_heads, groups, n_q, values.shape[-1], dtype=acc, device=device)
     offset = n_k - n_q  # queries are the last n_q positions
     total = torch.zeros(bsz, n_k, dtype=acc, device=device)
+    heads = torch.zeros(bsz, n_kv_heads, n_k, dtype=acc, device=device) if request.heads else None
+    window = None
+    if request.window:
+        window = torch.zeros(bsz, n_kv_heads, n_k, dtype=acc, device=device)
+        in_window, first_window_row = _window_rows(mask, bsz, n_q, request.window, device)
     rows = _chunk_rows(chunk_elements, bsz * n_heads * n_k)
     for r0 in range(0, n_q, rows):
         r1 = min(n_q, r0 + rows)
@@ -188,12 +293,35 @@ def _chunked_attention(
         if row_real is not None:
             # Fully masked (padded) query rows give NaN: they contribute nothing and output zero.
             probs = probs.masked_fill(~row_real[:, None, None, :, None], 0.0)
-        total[:, :end] += probs.sum(dim=(1, 2, 3))
+        if heads is None:
+            total[:, :end] += probs.sum(dim=(1, 2, 3))
+        else:
+            per_head = probs.sum(dim=(2, 3))  # [B, Hkv, end]
+            heads[:, :, :end] += per_head
+            total[:, :end] += per_head.sum(dim=1)
+        if window is not None and r1 > first_window_row:
+            rows_in = in_window[:, None, None, r0:r1, None].to(acc)  # [B, 1, 1, c, 1]
+            window[:, :, :end] += (probs * rows_in).sum(dim=(2, 3))
         if out is not None:
             out[:, :, :, r0:r1] = torch.matmul(probs, v[:, :, :, :end])
     if out is not None:
         out = out.reshape(bsz, n_heads, n_q, -1).transpose(1, 2).contiguous().to(query.dtype)
-    return out, total / n_heads
+    heads = None if heads is None else heads / groups
+    window = None if window is None else window / groups
+    return out, PromptScores(total / n_heads, heads, window)
+
+
+def _window_rows(mask: torch.Tensor | None, bsz: int, n_q: int, window: int, device) -> tuple[torch.Tensor, int]:
+    """[B, n_q] bool: the last `window` real query rows of each sequence; and the first row any
+    sequence's window starts at (one host sync per call, so chunks before it skip the window sum)."""
+    if mask is None:
+        rows = torch.arange(n_q, device=device) >= n_q - window
+        return rows.expand(bsz, n_q), max(0, n_q - window)
+    real = mask[:, 0].any(dim=-1)  # [B, n_q]
+    rank = torch.cumsum(real.long(), dim=1)  # 1-based rank of real rows
+    in_window = real & (rank > real.sum(dim=1, keepdim=True) - window)
+    hit = in_window.any(dim=0).nonzero()
+    return in_window, int(hit[0, 0]) if hit.numel() else n_q
 
 
 def _chunk_rows(chunk_elements: int, row_elements: int) -> int:
@@ -202,13 +330,20 @@ def _chunk_rows(chunk_elements: int, row_elements: int) -> int:
 
 
 def decode_attention_with_scores(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token's attention over the cached slots, with the probabilities it gave them.
 
     query: [B, Hq, 1, D]; keys/values: [B, Hkv, S, D]; mask: boolean [B, 1, 1, S].
-    Returns the output in sdpa_attention_forward's layout [B, 1, Hq, D] and [B, S] probabilities
-    averaged over query heads (what H2O accumulates). Used only by rules that need the scores.
+    Returns the output in sdpa_attention_forward's layout [B, 1, Hq, D] and the probabilities:
+    [B, S] averaged over all query heads (what H2O accumulates and shared TOVA ranks), or with
+    `per_head` [B, Hkv, S] averaged over each KV head's query heads (per-head layers, whose slots
+    hold different entries in each KV head). Used only by rules that need the scores.
     """
     bsz, n_heads, _, head_dim = query.shape
     n_kv_heads = keys.shape[1]
@@ -219,4 +354,6 @@ def decode_attention_with_scores(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values.to(acc))  # [B, Hkv, g, D]
     out = out.reshape(bsz, 1, n_heads, -1).to(query.dtype)
+    if per_head:
+        return out, probs.mean(dim=2)
     return out, probs.sum(dim=(1, 2)) / n_heads

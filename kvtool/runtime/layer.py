@@ -8,6 +8,14 @@ attention function (attention.py) masks by slot validity, so every layer can hol
 Physical slots are unordered: each slot remembers its logical column (`order`), which is all the
 fixed-point queue needs. New tokens fill a free slot (the one the last eviction left), so the
 buffer only grows when the layer's share grows.
+
+Per-head layers (plan `heads="per-head"`) let each KV head keep its own entries, the same number in
+every head, packed into the same slots: keys/values stay [B, Hkv, S, D] and slot validity stays
+shared ([B, S]), so attention needs no new mask and memory shrinks for real. What differs per head
+(`order`, `frozen`, `score`, `image`, `attention`) is [B, Hkv, S] there. When heads drop different
+entries (tova, heavy-hitter), each head's victim slot takes that head's entry from the row's last
+valid slot, and the last slot is freed: every head loses exactly its victim and the layout stays
+rectangular. Queue rules (fixed-point, sliding) name the same slot in every head, which is freed.
 """
 
 from __future__ import annotations
@@ -20,11 +28,16 @@ from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction import EvictRule, FixedPoint
+from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
 from kvtool.runtime.merge import MergeRule
+from kvtool.runtime.scoring import Scorer, make_scorer
 from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
 
 # Slots added when a layer's share outgrows its buffer: the stated floor above the budget.
 GROWTH_SLOTS = 16
+
+# "shared": one set of entries for all KV heads of a layer; "per-head": each KV head its own.
+HEAD_MODES = ("shared", "per-head")
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,22 @@ class LayerPlan:
     evict: EvictRule = field(default_factory=FixedPoint)
     # Keep the prompt importance after compressing (calibration reads it; costs one score pass).
     record_importance: bool = False
+    # What a prompt token is worth (a name in kvtool.runtime.scoring.SCORERS): "attention-sum", the
+    # attention all prompt rows give it (Elastic Cache, PrefixKV); "window", the attention of the
+    # last `window` rows (SnapKV; 1 = TOVA's prefill score), max-pooled over `pool` positions.
+    scorer: str = "attention-sum"
+    window: int = 32
+    pool: int = 7
+    heads: str = "shared"  # one of HEAD_MODES
+
+    def __post_init__(self) -> None:
+        if self.heads not in HEAD_MODES:
+            raise KvtoolError(f"unknown head mode {self.heads!r} (known: {', '.join(HEAD_MODES)})")
+        self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
+
+    @property
+    def scoring(self) -> Scorer:
+        return make_scorer(self.scorer, window=self.window, pool=self.pool)
 
 
 class CompressingLayer(DynamicLayer):
@@ -68,6 +97,11 @@ class CompressingLayer(DynamicLayer):
         # (vision-language models; None for text-only prompts).
         self.prompt_image: torch.Tensor | None = None
         self.image: torch.Tensor | None = None  # [B, S] slot holds an image entry (only when prompt_image is set)
+        # [B, S] the attention the latest token gave each slot, for rules that rank by it (tova)
+        self.attention: torch.Tensor | None = None
+        self.prompt_scores: PromptScores | None = None  # everything the prompt pass scored, when recorded
+        self.prompt_score: torch.Tensor | None = None  # what selection ranked by ([B, n] / [B, Hkv, n]), when recorded
+        self.per_head = False  # each KV head holds its own entries (set when the prompt is compressed)
         self._new_slot: torch.Tensor | None = None
 
     # ----- transformers' cache-layer interface -------------------------------------------------
@@ -121,7 +155,7 @@ class CompressingLayer(DynamicLayer):
             self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
 
     def _map_batch(self, fn, host_index: np.ndarray) -> None:
-        for name in ("keys", "values", "valid", "order", "frozen", "score", "image", "_prompt_rank"):
+        for name in ("keys", "values", "valid", "order", "frozen", "score", "image", "attention", "_prompt_rank"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
@@ -132,7 +166,7 @@ class CompressingLayer(DynamicLayer):
     def physical_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score, self.image]
+        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score, self.image, self.attention]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def full_bytes(self) -> int:
@@ -152,6 +186,22 @@ class CompressingLayer(DynamicLayer):
     def needs_importance(self) -> bool:
         plan = self.plan
         return (self.compresses and (plan.select.needs_importance or plan.evict.needs_scores)) or plan.record_importance
+
+    @property
+    def score_request(self) -> ScoreRequest:
+        """What the prompt pass must score beside the layer-averaged column sums."""
+        plan = self.plan
+        per_head = plan.heads == "per-head"
+        ranks = (self.compresses and plan.select.needs_importance) or plan.record_importance
+        request = plan.scoring.request(per_head) if ranks else NO_EXTRAS
+        if per_head and self.compresses and plan.evict.needs_scores:
+            request = replace(request, heads=True)  # each head accumulates its own attention
+        return request
+
+    @property
+    def entry_valid(self) -> torch.Tensor:
+        """Slot validity shaped to broadcast against the per-entry metadata ([B, S] or [B, 1, S])."""
+        return self.valid[:, None, :] if self.per_head else self.valid
 
     def set_prompt_image(self, image_mask: torch.Tensor | None) -> None:
         """Which prompt positions are image tokens ([B, n] bool); before the prompt forward only."""
@@ -178,10 +228,20 @@ class CompressingLayer(DynamicLayer):
         """
         if self.image is None or self.valid is None:
             return np.zeros(len(self.kept), dtype=np.int64)
+        if self.per_head:
+            # Heads keep different entries: the count averaged over KV heads, rounded.
+            per_row = (self.image & self.entry_valid).sum(dim=(1, 2)).double() / self.image.shape[1]
+            return per_row.round().cpu().numpy().astype(np.int64)
         return (self.image & self.valid).sum(dim=1).cpu().numpy().astype(np.int64)
 
-    def compress_prompt(self, mask: torch.Tensor | None, importance: torch.Tensor | None) -> None:
-        """Keep ceil(R * n) entries per sequence (merging the rest), given the prompt's importance."""
+    def compress_prompt(self, mask: torch.Tensor | None, scores: PromptScores | torch.Tensor | None) -> None:
+        """Keep ceil(R * n) entries per sequence (merging the rest), given the prompt's scores.
+
+        `scores` is what the prompt pass scored (a bare [B, n] tensor stands for the importance alone,
+        which is all the default attention-sum scorer over shared heads needs).
+        """
+        if isinstance(scores, torch.Tensor):
+            scores = PromptScores(importance=scores)
         keys, values = self.keys, self.values
         bsz, _, n, _ = keys.shape
         if mask is None:
@@ -192,36 +252,92 @@ class CompressingLayer(DynamicLayer):
         self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
         plan = self.plan
         keep = kept_count(plan.ratio, self.tokens)
+        importance = None if scores is None else scores.importance
+        rank_by = self._rank_by(scores, token_valid)
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid
+            self.prompt_scores, self.prompt_score = scores, rank_by
+        self.per_head = plan.heads == "per-head" and self.compresses
+        if rank_by is None:
+            rank_by = importance  # rules that rank by position ignore it
         if plan.ratio >= 1.0:
             index = self.order
             kept_valid = token_valid
             frozen_rank = torch.cumsum(token_valid.long(), dim=1) - 1
         else:
-            selection = plan.select.select(
-                importance,
-                token_valid,
-                keep,
-                sink_tokens=plan.sink_tokens,
-                recent_window=plan.recent_window,
-                image_mask=image_mask,
-            )
-            keys, values = plan.merge.merge(keys, values, selection, token_valid, importance)
-            index, kept_valid = selection.index, selection.valid
-            frozen_rank = torch.arange(index.shape[1], device=keys.device).expand_as(index)
+            select = self._select_per_head if self.per_head else self._select_shared
+            keys, values, index, kept_valid = select(rank_by, token_valid, keep, image_mask)
+            frozen_rank = torch.arange(index.shape[-1], device=keys.device).expand_as(kept_valid)
         self.keys, self.values = keys.contiguous(), values.contiguous()
         self.valid = kept_valid.clone()
         self.order = index.clone()
+        entry_valid = self.entry_valid
         if image_mask is not None:
-            self.image = image_mask.gather(1, index) & kept_valid
+            image = image_mask[:, None, :].expand(-1, index.shape[1], -1) if self.per_head else image_mask
+            self.image = image.gather(-1, index) & entry_valid
         if plan.evict.needs_scores and self.compresses:
-            self.score = importance.gather(1, index).masked_fill(~kept_valid, 0.0)
+            accumulated = scores.heads if self.per_head else importance
+            self.score = accumulated.gather(-1, index).masked_fill(~entry_valid, 0.0)
         self._prompt_columns = self.seen
         self._prompt_rank = torch.where(kept_valid, frozen_rank, torch.full_like(frozen_rank, -1))
         self.kept = keep
         self.compressed = True
         self.set_truncation_distance(plan.truncation_distance)
+
+    def _rank_by(self, scores: PromptScores | None, token_valid: torch.Tensor) -> torch.Tensor | None:
+        """The scorer's score, where selection ranks by it or the plan records it (else None)."""
+        plan = self.plan
+        if scores is None:
+            return None
+        request = self.score_request
+        if (request.heads and scores.heads is None) or (request.window and scores.window is None):
+            raise KvtoolError(
+                f"scorer {plan.scorer!r} with {plan.heads} heads needs prompt scores that were not computed "
+                "(per-head or observation-window sums); hand the layer what its score_request asks for"
+            )
+        if not ((self.compresses and plan.select.needs_importance) or plan.record_importance):
+            return None
+        return plan.scoring.score(scores, token_valid, plan.heads == "per-head")
+
+    def _select_shared(self, rank_by, token_valid, keep, image_mask):
+        """One index set for every KV head: keys/values [B, Hkv, K, D], index and validity [B, K]."""
+        plan = self.plan
+        selection = plan.select.select(
+            rank_by,
+            token_valid,
+            keep,
+            sink_tokens=plan.sink_tokens,
+            recent_window=plan.scoring.protected_recent(plan.recent_window),
+            image_mask=image_mask,
+        )
+        keys, values = plan.merge.merge(self.keys, self.values, selection, token_valid, rank_by)
+        return keys, values, selection.index, selection.valid
+
+    def _select_per_head(self, rank_by, token_valid, keep, image_mask):
+        """Each KV head its own top-`keep[b]`: every (sequence, head) pair is selected and merged as a
+        sequence of its own with one head. Index [B, Hkv, K]; validity [B, K], the same in every head
+        because every head of a row keeps the same count and selection packs kept slots first."""
+        plan = self.plan
+        bsz, heads, n, _ = self.keys.shape
+        per_row = lambda t: None if t is None else t.repeat_interleave(heads, dim=0)  # noqa: E731
+        flat_valid = per_row(token_valid)
+        if rank_by is not None:
+            rank_by = rank_by.reshape(bsz * heads, n) if rank_by.dim() == 3 else per_row(rank_by)
+        selection = plan.select.select(
+            rank_by,
+            flat_valid,
+            np.repeat(keep, heads),
+            sink_tokens=plan.sink_tokens,
+            recent_window=plan.scoring.protected_recent(plan.recent_window),
+            image_mask=per_row(image_mask),
+        )
+        one_head = lambda t: t.reshape(bsz * heads, 1, n, t.shape[-1])  # noqa: E731
+        keys, values = plan.merge.merge(one_head(self.keys), one_head(self.values), selection, flat_valid, rank_by)
+        width = selection.index.shape[1]
+        keys = keys.reshape(bsz, heads, width, keys.shape[-1])
+        values = values.reshape(bsz, heads, width, values.shape[-1])
+        index = selection.index.view(bsz, heads, width)
+        return keys, values, index, selection.valid.view(bsz, heads, width)[:, 0]
 
     def set_truncation_distance(self, distance: int) -> None:
         """Re-freeze the compressed prompt for another D (before generation starts): calibration
@@ -235,7 +351,12 @@ class CompressingLayer(DynamicLayer):
             prompt_kept, truncation_distance=distance, sink_tokens=self.plan.sink_tokens
         )
         frozen_n = torch.as_tensor(frozen_n, device=self.keys.device)
-        self.frozen = (self._prompt_rank >= 0) & (self._prompt_rank < frozen_n[:, None])
+        frozen = (self._prompt_rank >= 0) & (self._prompt_rank < frozen_n[:, None])
+        if self.per_head:
+            # Before any new token every head's compressed prompt sits in position order in the same
+            # slots, so the frozen prefix is the same slots in every head.
+            frozen = frozen[:, None, :].expand(-1, self.keys.shape[1], -1).clone()
+        self.frozen = frozen
 
     # ----- generation phase --------------------------------------------------------------------
 
@@ -247,14 +368,13 @@ class CompressingLayer(DynamicLayer):
         bsz, heads, _, dim = self.keys.shape
         self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), key_states)
         self.values.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), value_states)
-        column = slot[:, None]
-        self.valid.scatter_(1, column, True)
-        self.frozen.scatter_(1, column, False)
+        self.valid.scatter_(1, slot[:, None], True)
+        _write_slot(self.frozen, slot, False)
         if self.image is not None:
-            self.image.scatter_(1, column, False)
-        self.order.scatter_(1, column, self.seen)
+            _write_slot(self.image, slot, False)
+        _write_slot(self.order, slot, self.seen)
         if self.score is not None:
-            self.score.scatter_(1, column, 0.0)
+            _write_slot(self.score, slot, 0.0)
         self.seen += 1
         self.tokens = self.tokens + 1
         self.kept = self.kept + 1
@@ -265,13 +385,10 @@ class CompressingLayer(DynamicLayer):
         pad = self.keys.new_zeros(bsz, heads, slots, dim)
         self.keys = torch.cat([self.keys, pad], dim=2)
         self.values = torch.cat([self.values, pad], dim=2)
-        self.valid = torch.cat([self.valid, self.valid.new_zeros(bsz, slots)], dim=1)
-        self.frozen = torch.cat([self.frozen, self.frozen.new_zeros(bsz, slots)], dim=1)
-        self.order = torch.cat([self.order, self.order.new_zeros(bsz, slots)], dim=1)
-        if self.image is not None:
-            self.image = torch.cat([self.image, self.image.new_zeros(bsz, slots)], dim=1)
-        if self.score is not None:
-            self.score = torch.cat([self.score, self.score.new_zeros(bsz, slots)], dim=1)
+        for name in ("valid", "frozen", "order", "image", "score"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, torch.cat([tensor, tensor.new_zeros(*tensor.shape[:-1], slots)], dim=-1))
 
     def discard_padded_token(self, given: torch.Tensor | None) -> None:
         """Un-place the new token of every sequence where the forward's mask (`given`, [B, 1, 1, T])
@@ -293,18 +410,53 @@ class CompressingLayer(DynamicLayer):
 
     @property
     def needs_decode_scores(self) -> bool:
-        return self.score is not None
+        return self.score is not None or (self.compressed and self.compresses and self.plan.evict.needs_attention)
 
     def add_scores(self, received: torch.Tensor) -> None:
-        """Accumulate the attention the new token gave each slot ([B, S], averaged over query heads)."""
-        self.score += received.to(self.score.dtype).masked_fill(~self.valid, 0.0)
+        """Take the attention the new token gave each slot ([B, S] averaged over query heads; [B, Hkv, S]
+        averaged over each KV head's query heads in per-head layers): accumulated into `score` for
+        rules that need the sum, kept as `attention` for rules that rank by the latest token alone."""
+        if self.score is not None:
+            self.score += received.to(self.score.dtype).masked_fill(~self.entry_valid, 0.0)
+        if self.plan.evict.needs_attention:
+            self.attention = received
 
     def evict_over_budget(self) -> None:
-        """Where kept > ceil(R * T), drop the one entry the plan's eviction rule names."""
+        """Where kept > ceil(R * T), drop the one entry the plan's eviction rule names (never for
+        prompt-only rules, under which the cache grows by one entry per new token)."""
+        if not self.plan.evict.holds_budget:
+            return
         over = self.kept > kept_count(self.plan.ratio, self.tokens)
         if not over.any():
             return
         victim = self.plan.evict.victim(self)
         rows = torch.as_tensor(np.flatnonzero(over), device=self.valid.device)
-        self.valid[rows, victim[rows]] = False
+        if victim.dim() == 2:
+            self._drop_per_head(rows, victim)
+        else:
+            # One slot for every head (shared layers; queue rules in per-head layers): just free it.
+            self.valid[rows, victim[rows]] = False
         self.kept = self.kept - over
+
+    def _drop_per_head(self, rows: torch.Tensor, victim: torch.Tensor) -> None:
+        """In each of `rows`, every KV head drops its own victim slot (`victim` [B, Hkv]): the row's last
+        valid slot moves into it, head by head, and is freed. Victims that are the last slot itself
+        move onto themselves. One indexed copy per tensor, no loop over heads."""
+        heads = self.keys.shape[1]
+        target = victim[rows]  # [R, Hkv]
+        slots = torch.arange(self.valid.shape[1], device=self.valid.device)
+        last = torch.where(self.valid[rows], slots, -1).amax(dim=1)  # [R]
+        row, head, source = rows[:, None], torch.arange(heads, device=rows.device)[None, :], last[:, None]
+        for name in ("keys", "values", "order", "frozen", "score", "image"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                tensor[row, head, target] = tensor[row, head, source]
+        self.valid[rows, last] = False
+
+
+def _write_slot(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
+    """Set per-slot metadata ([B, S], or [B, Hkv, S] in per-head layers) at one slot per sequence."""
+    if tensor.dim() == 2:
+        tensor.scatter_(1, slot[:, None], value)
+    else:
+        tensor.scatter_(2, slot[:, None, None].expand(-1, tensor.shape[1], 1), value)

@@ -4,12 +4,16 @@ rule is one new module registered here."""
 from __future__ import annotations
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen
+from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
 from kvtool.runtime.eviction.fixed_point import FixedPoint, frozen_prefix
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
+from kvtool.runtime.eviction.none import PromptOnly
 from kvtool.runtime.eviction.sliding import Sliding
+from kvtool.runtime.eviction.tova import Tova
 
-EVICT_RULES: dict[str, type[EvictRule]] = {rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter)}
+EVICT_RULES: dict[str, type[EvictRule]] = {
+    rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter, Tova, PromptOnly)
+}
 
 
 def evict_rule(name: str) -> EvictRule:
@@ -19,4 +23,4 @@ def evict_rule(name: str) -> EvictRule:
         raise KvtoolError(f"unknown eviction rule {name!r} (known: {', '.join(EVICT_RULES)})") from None
 
 
-__all__ = ["FixedPoint", "EVICT_RULES", "EvictRule", "evict_rule", "frozen_prefix", "oldest_unfrozen"]
+__all__ = ["FixedPoint", "PromptOnly", "Tova", "EVICT_RULES", "EvictRule", "evict_rule", "frozen_prefix", "oldest_unfrozen", "queue_view"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen
+from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
 
 
 def frozen_prefix(kept_prompt: np.ndarray, truncation_distance: int, sink_tokens: int) -> np.ndarray:
@@ -25,4 +25,4 @@ class FixedPoint(EvictRule):
         return frozen_prefix(prompt_kept, truncation_distance, sink_tokens)
 
     def victim(self, layer) -> torch.Tensor:
-        return oldest_unfrozen(layer.valid, layer.frozen, layer.order)
+        return oldest_unfrozen(*queue_view(layer))

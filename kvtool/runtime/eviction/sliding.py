@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen
+from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
 
 
 class Sliding(EvictRule):
@@ -15,4 +15,4 @@ class Sliding(EvictRule):
         return np.minimum(sink_tokens, np.asarray(prompt_kept, dtype=np.int64))
 
     def victim(self, layer) -> torch.Tensor:
-        return oldest_unfrozen(layer.valid, layer.frozen, layer.order)
+        return oldest_unfrozen(*queue_view(layer))

@@ -57,7 +57,9 @@ def select_tokens(
     score = torch.where(is_recent, 2 * n + 2 + rank, score)
     score = torch.where(is_sink, 4 * n + 4 + (n - rank), score)
     width = max(1, int(keep.max())) if keep.size else 1
-    chosen = torch.topk(score, width, dim=1, sorted=True).indices
+    # A stable sort, not topk: exact ties (max-pooled scores repeat a neighbour's value) go to the
+    # earlier position, so padding, which shifts every position alike, never changes the choice.
+    chosen = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :width]
     keep_t = torch.as_tensor(keep, device=device).unsqueeze(1)
     chosen_valid = torch.arange(width, device=device).unsqueeze(0) < keep_t
     # Sort by position; unused slots go last.

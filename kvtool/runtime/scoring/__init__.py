@@ -1,0 +1,23 @@
+"""Scorers by name (what a prompt token is worth to a layer); a new scorer is one new module registered here."""
+
+from __future__ import annotations
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.scoring.attention_sum import AttentionSum
+from kvtool.runtime.scoring.base import Scorer
+from kvtool.runtime.scoring.window import WindowScorer, pool_before_window
+
+SCORERS: dict[str, type[Scorer]] = {rule.name: rule for rule in (AttentionSum, WindowScorer)}
+
+
+def make_scorer(name: str, *, window: int, pool: int) -> Scorer:
+    """The scorer `name`; `window` and `pool` configure `window` and are ignored by the others."""
+    if name == WindowScorer.name:
+        return WindowScorer(window=window, pool=pool)
+    try:
+        return SCORERS[name]()
+    except KeyError:
+        raise KvtoolError(f"unknown scorer {name!r} (known: {', '.join(SCORERS)})") from None
+
+
+__all__ = ["SCORERS", "AttentionSum", "Scorer", "WindowScorer", "make_scorer", "pool_before_window"]

@@ -1,0 +1,548 @@
+"""Query-aware scoring, per-head selection, TOVA and prompt-only eviction, against brute-force references.
+
+References are written from methods.md with plain loops in float64: attention maps from explicit
+softmaxes (kernel tests) or from the model's eager attention weights (end-to-end tests), per-head
+top-k by sorting, max-pooling by a loop, and a hand-written Llama decoding step over each layer's
+and each KV head's own entries, with the eviction rules applied to plain Python lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime import KvtoolCache, attach, uniform_profile
+from kvtool.runtime.attach import layer_plans
+from kvtool.runtime.eviction import evict_rule
+from kvtool.runtime.eviction.tova import Tova
+from kvtool.runtime.importance import (
+    PromptScores,
+    ScoreRequest,
+    _block_rows,
+    attention_with_importance,
+    attention_with_scores,
+    decode_attention_with_scores,
+)
+from kvtool.runtime.layer import GROWTH_SLOTS, LayerPlan
+from kvtool.runtime.merge import merge_rule
+from kvtool.runtime.scoring import WindowScorer
+from kvtool.runtime.selection import select_rule
+from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
+
+HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
+GROUPS = HEADS // KV_HEADS
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+# ----- the fused prompt pass: window and per-head sums -------------------------------------------
+
+
+def causal_probs(q, k, b: int, h: int, start: int) -> torch.Tensor:
+    """Brute-force causal attention map [m, m] of query head h over sequence b's real tokens."""
+    scores = q[b, h, start:] @ k[b, h // GROUPS, start:].T * SCALE
+    future = torch.ones_like(scores, dtype=torch.bool).triu(1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+
+def brute_force_scores(q, k, starts: list[int], window: int) -> PromptScores:
+    bsz, _, n, _ = q.shape
+    importance = torch.zeros(bsz, n, dtype=torch.float64)
+    heads = torch.zeros(bsz, KV_HEADS, n, dtype=torch.float64)
+    last_rows = torch.zeros(bsz, KV_HEADS, n, dtype=torch.float64)
+    for b, start in enumerate(starts):
+        for h in range(HEADS):
+            probs = causal_probs(q.double(), k.double(), b, h, start)
+            importance[b, start:] += probs.sum(dim=0) / HEADS
+            heads[b, h // GROUPS, start:] += probs.sum(dim=0) / GROUPS
+            last_rows[b, h // GROUPS, start:] += probs[-window:].sum(dim=0) / GROUPS
+    return PromptScores(importance, heads, last_rows)
+
+
+def brute_force_pool(raw: list[float], window: int, pool: int) -> list[float]:
+    """Max over the `pool` neighbours of every column before the last `window`, inside those columns."""
+    m = len(raw)
+    edge = max(0, m - window)
+    return [
+        max(raw[max(0, j - pool // 2) : min(edge, j + pool // 2 + 1)]) if j < edge else raw[j]
+        for j in range(m)
+    ]
+
+
+def random_prompt(real: list[int], dtype=torch.float64):
+    n = max(real)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(len(real), HEADS, n, DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(len(real), KV_HEADS, n, DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(len(real), KV_HEADS, n, DIM, generator=g, dtype=torch.float64)
+    starts = [n - m for m in real]
+    columns = torch.arange(n)
+    token_valid = columns[None, :] >= torch.tensor(starts)[:, None]
+    mask = (token_valid[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()).contiguous()
+    for b, start in enumerate(starts):
+        # What padded positions of an earlier layer may hold: none of it may reach a real row.
+        q[b, :, :start] = k[b, :, :start] = v[b, :, :start] = float("nan")
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask, starts, token_valid
+
+
+REAL = [600, 563, 300, 40]  # several 256-row blocks, left padding, one prompt shorter than some windows
+
+
+@pytest.mark.parametrize("window", [1, 16, 300])
+@pytest.mark.parametrize("path", ["cpu-blocks", "portable-chunks"])
+def test_window_and_head_sums_match_brute_force(window, path, monkeypatch):
+    from kvtool.runtime import importance as kernel
+
+    if path == "portable-chunks":
+        monkeypatch.setattr(kernel, "_blocked_applies", lambda query: False)
+        monkeypatch.setattr(kernel, "CHUNK_ELEMENTS", len(REAL) * HEADS * max(REAL) * 100)  # 100-row chunks
+    assert _block_rows(HEADS, max(REAL)) < max(REAL)  # the longest prompt spans several row blocks
+    q, k, v, mask, starts, _ = random_prompt(REAL)
+    want = brute_force_scores(q, k, starts, window)
+
+    plain_out, plain_importance = attention_with_importance(q, k, v, mask, SCALE)
+    out, scores = attention_with_scores(q, k, v, mask, SCALE, ScoreRequest(window=window))
+    # Asking for the window changes nothing else, bit for bit.
+    assert torch.equal(out, plain_out) and torch.equal(scores.importance, plain_importance)
+    assert scores.heads is None
+    assert torch.allclose(scores.window, want.window, atol=1e-10, rtol=0)
+
+    out, scores = attention_with_scores(q, k, v, mask, SCALE, ScoreRequest(heads=True, window=window))
+    assert torch.equal(out, plain_out)
+    assert torch.allclose(scores.importance, want.importance, atol=1e-10, rtol=0)
+    assert torch.allclose(scores.heads, want.heads, atol=1e-10, rtol=0)
+    assert torch.allclose(scores.window, want.window, atol=1e-10, rtol=0)
+    assert torch.allclose(scores.heads.mean(dim=1), scores.importance, atol=1e-12, rtol=0)
+    for b, (start, m) in enumerate(zip(starts, REAL)):
+        assert torch.all(scores.window[b, :, :start] == 0) and torch.all(scores.heads[b, :, :start] == 0)
+        # Each window row spreads probability 1 per query head: the window sums total min(w, m) per head.
+        assert torch.allclose(scores.window[b].sum(dim=-1), torch.full((KV_HEADS,), float(min(window, m)), dtype=torch.float64))
+
+
+def test_window_sums_in_float32_stay_close():
+    q, k, v, mask, starts, _ = random_prompt(REAL, dtype=torch.float32)
+    want = brute_force_scores(q, k, starts, 16)
+    _, scores = attention_with_scores(q, k, v, mask, SCALE, ScoreRequest(heads=True, window=16))
+    assert scores.window.dtype == torch.float32
+    assert torch.allclose(scores.window.double(), want.window, atol=1e-4, rtol=0)
+    assert torch.allclose(scores.heads.double(), want.heads, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+@pytest.mark.parametrize("pool", [1, 7])
+@pytest.mark.parametrize("window", [1, 16])
+def test_window_scorer_pools_real_columns_before_the_window(window, pool, per_head):
+    q, k, v, mask, starts, token_valid = random_prompt(REAL)
+    _, scores = attention_with_scores(q, k, v, mask, SCALE, ScoreRequest(window=window))
+    got = WindowScorer(window=window, pool=pool).score(scores, token_valid, per_head)
+    raw = brute_force_scores(q, k, starts, window).window  # [B, Hkv, n]
+    if not per_head:
+        raw = raw.mean(dim=1, keepdim=True)  # averaged over all query heads
+    assert got.shape == ((len(REAL), KV_HEADS, max(REAL)) if per_head else (len(REAL), max(REAL)))
+    got = got if per_head else got[:, None]
+    for b, start in enumerate(starts):
+        assert torch.all(got[b, :, :start] == 0)
+        for h in range(raw.shape[1]):
+            want = brute_force_pool(raw[b, h, start:].tolist(), window, pool)
+            assert torch.allclose(got[b, h, start:], torch.tensor(want, dtype=torch.float64), atol=1e-10, rtol=0)
+
+
+def test_decode_scores_per_head_match_brute_force():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, HEADS, 1, DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(2, KV_HEADS, 9, DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(2, KV_HEADS, 9, DIM, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 3] = False
+    out, shared = decode_attention_with_scores(q, k, v, mask, SCALE)
+    out_h, per_head = decode_attention_with_scores(q, k, v, mask, SCALE, per_head=True)
+    assert torch.equal(out, out_h)
+    for b in range(2):
+        for kv in range(KV_HEADS):
+            rows = [torch.softmax((q[b, h, 0] @ k[b, kv].T * SCALE).masked_fill(~mask[b, 0, 0], float("-inf")), -1)
+                    for h in range(kv * GROUPS, (kv + 1) * GROUPS)]
+            assert torch.allclose(per_head[b, kv], torch.stack(rows).mean(0), atol=1e-14)
+    assert torch.allclose(per_head.mean(dim=1), shared, atol=1e-14)
+
+
+# ----- rule units -----------------------------------------------------------------------------
+
+
+def test_tova_victim_is_the_least_attended_unfrozen_entry():
+    valid = torch.tensor([[True, True, True, True, True, False], [True, True, True, False, False, False]])
+    attention = torch.tensor([[0.01, 0.3, 0.2, 0.05, 0.44, 0.0], [0.001, 0.002, 0.997, 0.0, 0.0, 0.0]])
+    frozen = torch.tensor([[True, False, False, False, False, False], [True, True, True, False, False, False]])
+    layer = SimpleNamespace(valid=valid, order=torch.zeros(2, 6, dtype=torch.long), frozen=frozen, attention=attention)
+    # row 0: slot 0 is a sink (lowest, but frozen), so slot 3; row 1: only sinks left, so the lowest of them
+    assert Tova().victim(layer).tolist() == [3, 0]
+    # Per head: each KV head ranks by its own attention; validity stays per row.
+    per_head = torch.stack([attention, attention.flip(-1)], dim=1)  # [B, 2, S]
+    layer = SimpleNamespace(
+        valid=valid, order=torch.zeros(2, 2, 6, dtype=torch.long), frozen=frozen[:, None].expand(2, 2, 6), attention=per_head
+    )
+    want = []
+    for b in range(2):
+        row = []
+        for h in range(2):
+            candidates = [s for s in range(6) if valid[b, s] and not frozen[b, s]] or [s for s in range(6) if valid[b, s]]
+            row.append(min(candidates, key=lambda s: (per_head[b, h, s].item(), s)))
+        want.append(row)
+    assert Tova().victim(layer).tolist() == want
+
+
+def test_bad_plans_fail_clearly():
+    base = dict(ratio=0.5, merge=merge_rule("none"), sink_tokens=2, recent_window=3, truncation_distance=4)
+    for bad, message in [
+        (dict(heads="each"), "head mode"),
+        (dict(scorer="snap"), "scorer"),
+        (dict(scorer="window", window=0), "observation window"),
+        (dict(scorer="window", pool=4), "pooling kernel"),
+    ]:
+        with pytest.raises(KvtoolError, match=message) as info:
+            LayerPlan(**base, **bad)
+        assert "\n" not in str(info.value)
+    LayerPlan(**base, scorer="window", window=1, pool=1, heads="per-head")  # valid
+
+
+# ----- end to end: a hand-written reference over each head's own entries --------------------------
+
+SINK, RECENT, DIST = 2, 3, 4
+RATIOS = [0.3, 0.5, 0.2]
+
+
+def rules_plans(profile, **changes) -> list:
+    evict = changes.pop("evict", None)
+    if evict is not None:
+        changes["evict"] = evict_rule(evict)
+    return [None if p is None else dataclasses.replace(p, **changes) for p in layer_plans(profile)]
+
+
+def recipe_profile(model, ratios=RATIOS, merge="none"):
+    return profile_with(model, ratios, merge=merge, sink_tokens=SINK, recent_window=RECENT, truncation_distance=DIST)
+
+
+def eager_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the [Hq, n, n] attention map of one unpadded sequence."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return [att[0] for att in out.attentions]
+
+
+def reference_scores(att: torch.Tensor, scorer: str, window: int, pool: int) -> torch.Tensor:
+    """[Hkv, n] per-head scores (averaged over each KV head's query heads), pooled like the runtime."""
+    hq, n, _ = att.shape
+    raw = att.sum(dim=1) if scorer == "attention-sum" else att[:, -window:].sum(dim=1)
+    raw = raw.view(hq // GROUPS, GROUPS, n).mean(dim=1)
+    if scorer == "window":
+        raw = torch.tensor([brute_force_pool(row.tolist(), window, pool) for row in raw], dtype=torch.float64)
+    return raw
+
+
+def brute_force_anchors(score: list[float], keep: int, recent: int) -> list[int]:
+    n = len(score)
+    protected = list(range(min(SINK, keep)))
+    tail = [t for t in range(n - 1, n - 1 - recent, -1) if t not in protected]
+    protected += tail[: keep - len(protected)]
+    rest = sorted((t for t in range(n) if t not in protected), key=lambda t: (-score[t], t))
+    return sorted(protected + rest[: keep - len(protected)])
+
+
+def nearest_buckets(anchors: list[int], n: int) -> dict[int, list[int]]:
+    groups = {a: [] for a in anchors}
+    for t in range(n):
+        left = max((a for a in anchors if a <= t), default=None)
+        right = min((a for a in anchors if a >= t), default=None)
+        groups[right if left is None or (right is not None and right - t < t - left) else left].append(t)
+    return groups
+
+
+def reference_step(model, layers, token: int, position: int) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """One Llama decoding step over explicit entries: `layers[l][h]` lists KV head h's entries as dicts.
+
+    Appends the new token's entry to every head and returns the logits and, per layer and KV head,
+    the probabilities the new token gave that head's entries (averaged over its query heads).
+    """
+    inner = model.model
+    hidden = inner.embed_tokens(torch.tensor([[token]]))
+    cos, sin = inner.rotary_emb(hidden, torch.tensor([[position]]))
+    received = []
+    for layer, heads in zip(inner.layers, layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outputs, per_head = [], []
+        for kv, entries in enumerate(heads):
+            entries.append(dict(pos=position, k=k[0, kv, 0], v=v[0, kv, 0], frozen=False, score=0.0))
+            keys = torch.stack([e["k"] for e in entries])
+            values = torch.stack([e["v"] for e in entries])
+            probs = torch.softmax(q[0, kv * GROUPS : (kv + 1) * GROUPS, 0] @ keys.T * attn.scaling, dim=-1)
+            outputs.append(probs @ values)
+            per_head.append(probs.mean(dim=0))
+        hidden = hidden + attn.o_proj(torch.cat(outputs).reshape(1, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        received.append(per_head)
+    return model.lm_head(inner.norm(hidden))[0, -1], received
+
+
+def reference_evict(heads: list[list[dict]], received: list[torch.Tensor], rule: str, share: int, seen: int, per_head: bool):
+    """Drop one entry per head from a layer over its share, as methods.md defines each rule."""
+    if len(heads[0]) <= share or rule == "none":
+        return
+    if rule == "tova" and not per_head:
+        mean = torch.stack(received).mean(dim=0)  # averaged over every query head of the layer
+        received = [mean] * len(heads)
+    for kv, entries in enumerate(heads):
+        if rule == "fixed-point":
+            victim = next(i for i, e in enumerate(entries) if not e["frozen"])  # oldest after the frozen prefix
+        elif rule == "tova":
+            candidates = [i for i, e in enumerate(entries) if not e["frozen"]] or list(range(len(entries)))
+            victim = min(candidates, key=lambda i: (received[kv][i].item(), i))
+        else:  # heavy-hitter: lowest accumulated attention outside the newest half of the share
+            old = [i for i, e in enumerate(entries) if e["pos"] < seen - share // 2] or list(range(len(entries)))
+            victim = min(old, key=lambda i: (entries[i]["score"], i))
+        entries.pop(victim)
+
+
+CASES = {
+    # name: (heads, scorer, window, pool, merge, eviction)
+    "per-head-sum-fixed-point": ("per-head", "attention-sum", 1, 1, "none", "fixed-point"),
+    "per-head-window-tova": ("per-head", "window", 4, 3, "none", "tova"),
+    "per-head-window-h2o-position": ("per-head", "window", 6, 7, "position", "heavy-hitter"),
+    "per-head-sum-tova-position": ("per-head", "attention-sum", 1, 1, "position", "tova"),
+    "shared-tova-prefill-tova": ("shared", "window", 1, 1, "none", "tova"),
+    "shared-window-prompt-only": ("shared", "window", 8, 7, "none", "none"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compressed_decoding_matches_per_head_reference(case):
+    heads_mode, scorer, window, pool, merge, rule = CASES[case]
+    per_head = heads_mode == "per-head"
+    model = tiny_llama()
+    ids = prompts([30])[0][None]
+    n = ids.shape[1]
+    profile = recipe_profile(model, merge=merge)
+    plans = rules_plans(profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule)
+    steps = torch.randint(3, 97, (44,), generator=torch.Generator().manual_seed(7)).tolist()
+    recent = max(RECENT, window) if scorer == "window" else RECENT
+
+    with torch.no_grad():
+        maps = eager_maps(model, ids)
+        full = KvtoolCache(model.config, [None] * len(RATIOS))
+        model(input_ids=ids, past_key_values=full)
+        layers = []
+        for index, ratio in enumerate(RATIOS):
+            keep = math.ceil(ratio * n - 1e-9)
+            score = reference_scores(maps[index], scorer, window, pool)
+            h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
+            if not per_head:
+                score = score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
+                if scorer == "window":  # shared layers pool the head-averaged score
+                    raw = maps[index][:, -window:].sum(dim=1).mean(dim=0)
+                    score = torch.tensor(brute_force_pool(raw.tolist(), window, pool))[None].expand(KV_HEADS, n)
+                h2o_score = h2o_score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
+            frozen = max(keep - DIST, min(SINK, keep)) if rule == "fixed-point" else min(SINK, keep)
+            kv = full.layers[index]
+            heads = []
+            for h in range(KV_HEADS):
+                anchors = brute_force_anchors(score[h].tolist(), keep, recent)
+                buckets = nearest_buckets(anchors, n) if merge == "position" else {a: [a] for a in anchors}
+                heads.append([
+                    dict(pos=a, k=kv.keys[0, h, members].mean(0), v=kv.values[0, h, members].mean(0),
+                         frozen=rank < frozen, score=h2o_score[h, a].item())
+                    for rank, (a, members) in enumerate(buckets.items())
+                ])
+            layers.append(heads)
+
+        with attach(model, profile):
+            cache = KvtoolCache(model.config, plans)
+            model(input_ids=ids, past_key_values=cache)
+            for step, token in enumerate([*steps, None]):  # check the state after `step` new tokens, then feed one
+                seen = n + step
+                for index, ratio in enumerate(RATIOS):
+                    layer = cache.layers[index]
+                    assert layer.per_head == per_head
+                    expected = math.ceil(ratio * seen - 1e-9) if rule != "none" else math.ceil(ratio * n - 1e-9) + step
+                    assert int(layer.kept[0]) == expected == len(layers[index][0]), f"step {step} layer {index}"
+                    for h in range(KV_HEADS):
+                        order = layer.order[0, h] if per_head else layer.order[0]
+                        assert sorted(order[layer.valid[0]].tolist()) == [e["pos"] for e in layers[index][h]], (step, index, h)
+                if token is None:
+                    break
+                got = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+                want, received = reference_step(model, layers, token, position=seen)
+                assert (got - want).abs().max().item() < 1e-6, f"step {step}"
+                for index, ratio in enumerate(RATIOS):
+                    heads = layers[index]
+                    for kv, entries in enumerate(heads):
+                        share_probs = received[index][kv] if per_head else torch.stack(received[index]).mean(0)
+                        for e, p in zip(entries, share_probs.tolist()):
+                            e["score"] += p
+                    reference_evict(heads, received[index], rule, math.ceil(ratio * (seen + 1) - 1e-9), seen + 1, per_head)
+        grown = math.ceil(0.5 * n) + len(steps) if rule == "none" else math.ceil(0.5 * (n + len(steps)))
+        assert max(int(layer.keys.shape[2]) for layer in cache.layers) <= grown + GROWTH_SLOTS
+
+
+# ----- batches, budgets, exactness --------------------------------------------------------------
+
+BATCH_CASES = {
+    "per-head-window-tova": dict(heads="per-head", scorer="window", window=8, pool=7, evict="tova"),
+    "shared-window-tova": dict(heads="shared", scorer="window", window=16, pool=1, evict="tova"),
+    "per-head-sum-h2o": dict(heads="per-head", evict="heavy-hitter"),
+    "per-head-sum-sliding": dict(heads="per-head", evict="sliding"),
+    "per-head-window-prompt-only": dict(heads="per-head", scorer="window", window=4, pool=7, evict="none"),
+}
+
+
+@pytest.mark.parametrize("case", list(BATCH_CASES))
+def test_padded_batch_equals_single_runs(llama, case):
+    seqs = prompts([61, 37, 50], seed=3)
+    profile = recipe_profile(llama, merge="position" if case == "per-head-sum-sliding" else "none")
+    plans = rules_plans(profile, **BATCH_CASES[case])
+    new = 20
+    with torch.no_grad(), attach(llama, profile):
+        batch = llama.generate(**left_pad(seqs), max_new_tokens=new, past_key_values=KvtoolCache(llama.config, plans), **GREEDY)
+        for i, seq in enumerate(seqs):
+            single = llama.generate(**left_pad([seq]), max_new_tokens=new, past_key_values=KvtoolCache(llama.config, plans), **GREEDY)
+            alone = single.sequences[0, len(seq):]
+            assert torch.equal(alone, batch.sequences[i, -new:][: len(alone)]), f"sequence {i}"
+            diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(single.scores, batch.scores))
+            assert diff < 1e-6
+
+
+def step_through(model, cache, seqs, steps):
+    """Prompt forward plus `steps` greedy tokens by hand; yields the cache after every forward."""
+    inputs = left_pad(seqs)
+    mask = inputs["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True)
+    yield cache
+    position = mask.sum(1, keepdim=True)
+    for _ in range(steps):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], dim=1)
+        out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        position = position + 1
+        yield cache
+
+
+@pytest.mark.parametrize("heads", ["shared", "per-head"])
+@pytest.mark.parametrize("rule", ["tova", "none"])
+def test_budget_held_step_by_step(llama, heads, rule):
+    seqs = prompts([45, 30], seed=4)
+    profile = recipe_profile(llama)
+    plans = rules_plans(profile, heads=heads, scorer="window", window=4, pool=7, evict=rule)
+    prompt_keep = {i: np.ceil(RATIOS[i] * np.array([45, 30]) - 1e-9) for i in range(len(RATIOS))}
+    with torch.no_grad(), attach(llama, profile):
+        for step, cache in enumerate(step_through(llama, KvtoolCache(llama.config, plans), seqs, 48)):
+            for index, layer in cache.compressing_layers().items():
+                assert layer.tokens.tolist() == [45 + step, 30 + step]
+                share = np.ceil(RATIOS[index] * layer.tokens - 1e-9)
+                want = share if rule == "tova" else prompt_keep[index] + step  # prompt-only grows by one per token
+                assert layer.kept.tolist() == want.tolist() == layer.valid.sum(1).tolist()
+                order = layer.order if heads == "per-head" else layer.order[:, None]
+                for b in range(len(seqs)):
+                    first = layer.seen - int(layer.tokens[b])  # left padding: real columns are the last ones
+                    for h in range(order.shape[1]):
+                        kept = order[b, h][layer.valid[b]].tolist()
+                        assert len(set(kept)) == len(kept) and min(kept) >= first  # distinct real entries
+                        assert set(range(first, first + SINK)) <= set(kept)  # sinks never dropped
+                if rule == "tova":
+                    assert layer.keys.shape[2] <= int(share.max()) + GROWTH_SLOTS
+
+
+def test_per_head_selection_in_a_padded_batch_is_each_heads_top_k(llama, monkeypatch):
+    from kvtool.runtime import importance as kernel
+
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)  # 16-row blocks: every prompt spans several
+    seqs = prompts([61, 37, 50], seed=9)
+    profile = recipe_profile(llama)
+    plans = rules_plans(profile, heads="per-head", scorer="window", window=6, pool=7)
+    with torch.no_grad(), attach(llama, profile):
+        cache = KvtoolCache(llama.config, plans)
+        llama(**left_pad(seqs), past_key_values=cache)
+    width = max(len(s) for s in seqs)
+    differ = 0
+    for b, seq in enumerate(seqs):
+        maps = eager_maps(llama, seq[None])
+        for index, ratio in enumerate(RATIOS):
+            layer = cache.layers[index]
+            keep = math.ceil(ratio * len(seq) - 1e-9)
+            score = reference_scores(maps[index], "window", 6, 7)
+            for h in range(KV_HEADS):
+                kept = sorted(c - (width - len(seq)) for c in layer.order[b, h][layer.valid[b]].tolist())
+                assert kept == brute_force_anchors(score[h].tolist(), keep, max(RECENT, 6)), (b, index, h)
+            differ += not torch.equal(layer.order[b, 0][layer.valid[b]], layer.order[b, 1][layer.valid[b]])
+    assert differ >= 6  # the heads really keep different entries: per-head is not shared here
+
+
+@pytest.mark.parametrize("merge", ["position", "similarity-avg", "similarity-pivot", "similarity-weighted"])
+def test_per_head_merging_rebuilds_the_shared_cache_when_heads_choose_alike(llama, merge):
+    """`recent` keeps the same positions in every head, so merging each head on its own must give the
+    shared layer's entries: per-head selection hands every merge mode one head at a time correctly."""
+    seqs = prompts([45, 30], seed=12)
+    profile = recipe_profile(llama, merge=merge)
+    caches = {}
+    with torch.no_grad(), attach(llama, profile):
+        for heads in ("shared", "per-head"):
+            caches[heads] = KvtoolCache(llama.config, rules_plans(profile, heads=heads, select=select_rule("recent")))
+            llama(**left_pad(seqs), past_key_values=caches[heads])
+    for shared, per_head in zip(caches["shared"].layers, caches["per-head"].layers):
+        assert per_head.per_head and torch.equal(shared.valid, per_head.valid)
+        assert torch.equal(per_head.order, shared.order[:, None].expand_as(per_head.order))
+        valid = shared.valid[:, None, :, None]
+        assert torch.allclose(per_head.keys * valid, shared.keys * valid, atol=1e-12, rtol=0)
+        assert torch.allclose(per_head.values * valid, shared.values * valid, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.999])
+def test_keeping_everything_equals_the_full_cache(llama, budget):
+    """Budget 1.0 is sdpa itself; 0.999 runs the fused pass, per-head selection and tova, yet keeps every
+    entry of these prompts (ceil(0.999 T) = T below 1000 tokens): both must match the full cache."""
+    seqs = prompts([300, 263, 40], seed=2)
+    inputs = left_pad(seqs)
+    profile = uniform_profile(llama, budget)
+    plans = rules_plans(profile, heads="per-head", scorer="window", window=16, pool=7, evict="tova")
+    with torch.no_grad():
+        full = llama.generate(**inputs, max_new_tokens=8, **GREEDY)
+        with attach(llama, profile):
+            cache = KvtoolCache(llama.config, plans)
+            out = llama.generate(**inputs, max_new_tokens=8, past_key_values=cache, **GREEDY)
+    assert torch.equal(full.sequences, out.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(full.scores, out.scores))
+    assert diff < (1e-6 if budget == 1.0 else 1e-10)
+    for layer in cache.layers:
+        assert layer.per_head == (budget < 1.0)
+        assert layer.kept.tolist() == [len(s) + 7 for s in seqs]
+
+
+def test_recorded_scores_are_what_selection_ranked(llama):
+    """Calibration can read the chosen scorer's score: `prompt_score` is recorded next to the importance."""
+    seqs = prompts([40, 25], seed=6)
+    profile = uniform_profile(llama, 1.0)
+    plans = rules_plans(profile, heads="per-head", scorer="window", window=4, pool=3, record_importance=True)
+    with torch.no_grad(), attach(llama, profile):
+        cache = KvtoolCache(llama.config, plans)
+        llama(**left_pad(seqs), past_key_values=cache)
+    for layer in cache.layers:
+        assert layer.prompt_score.shape == (2, KV_HEADS, 40)
+        assert layer.prompt_scores.window is not None and layer.prompt_importance is layer.prompt_scores.importance
+        want = WindowScorer(window=4, pool=3).score(layer.prompt_scores, layer.prompt_valid, True)
+        assert torch.equal(layer.prompt_score, want)
