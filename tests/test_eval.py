@@ -236,3 +236,15 @@ def test_accuracy_kinds_and_per_prompt_values_in_data_order(loaded, tiny_llama_d
     assert at_one["accuracy_per_prompt"] == expected
     assert doc["full_accuracy"] == at_one["accuracy"]
     assert "accuracy" in stdout and "lookup (3)" in stdout
+
+
+def test_query_aware_methods_run_through_eval(loaded, prompts_file):
+    """tova (held budget) and snapkv (prompt-only) are named methods like the others: exact at
+    budget 1.0; at 0.3 the prompt-only cache ends up holding more than the held one."""
+    records = load_jsonl(prompts_file)
+    report = evaluate(loaded, data=records, config=EvalConfig(methods=("tova", "snapkv"), budgets=(0.3, 1.0), max_new_tokens=12))
+    by = {(r.method, r.budget): r for r in report.results}
+    for method in ("tova", "snapkv"):
+        assert by[(method, 1.0)].ppl == pytest.approx(report.full_ppl, rel=1e-5)
+        assert by[(method, 1.0)].rouge_l == 1.0
+    assert by[("tova", 0.3)].kv_fraction < by[("snapkv", 0.3)].kv_fraction < 1.0

@@ -303,7 +303,7 @@ def reference_step(model, layers, token: int, position: int) -> tuple[torch.Tens
 
 def reference_evict(heads: list[list[dict]], received: list[torch.Tensor], rule: str, share: int, seen: int, per_head: bool):
     """Drop one entry per head from a layer over its share, as methods.md defines each rule."""
-    if len(heads[0]) <= share or rule == "none":
+    if len(heads[0]) <= share or rule == "prompt-only":
         return
     if rule == "tova" and not per_head:
         mean = torch.stack(received).mean(dim=0)  # averaged over every query head of the layer
@@ -327,7 +327,7 @@ CASES = {
     "per-head-window-h2o-position": ("per-head", "window", 6, 7, "position", "heavy-hitter"),
     "per-head-sum-tova-position": ("per-head", "attention-sum", 1, 1, "position", "tova"),
     "shared-tova-prefill-tova": ("shared", "window", 1, 1, "none", "tova"),
-    "shared-window-prompt-only": ("shared", "window", 8, 7, "none", "none"),
+    "shared-window-prompt-only": ("shared", "window", 8, 7, "none", "prompt-only"),
 }
 
 

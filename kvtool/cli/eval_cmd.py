@@ -61,7 +61,7 @@ def eval_command(
         typer.Option(
             "--methods",
             help="Comma-separated: local, h2o, elastic, prefixkv (calibrated ratios, merge mode and D), prefixkv-merge, prefixkv-evict, lookm "
-            "(LOOK-M: text-prior anchors + similarity-pivot merging; the prior needs image tokens).",
+            "(LOOK-M: text-prior anchors + similarity-pivot merging; the prior needs image tokens), tova, snapkv (prompt-only).",
         ),
     ] = "local,h2o,elastic,prefixkv",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per prompt (ROUGE-L; PPL reference length).")] = 64,

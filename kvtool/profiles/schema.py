@@ -19,7 +19,10 @@ MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "simila
 # Which prompt tokens a layer keeps, and which entry goes during generation (kvtool.runtime.selection
 # and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
-EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter")
+EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter", "tova", "prompt-only")
+# What a prompt token is worth (kvtool.runtime.scoring) and whether KV heads choose their own entries.
+SCORERS = ("attention-sum", "window")
+HEAD_MODES = ("shared", "per-head")
 
 # Field constraints several fields share.
 _KEPT_FRACTION = rule(low=0, high=1, open_low=True)
@@ -66,6 +69,12 @@ class MethodSettings:
     truncation_distance: int = field(default=25, metadata=_NON_NEGATIVE)
     selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
     eviction: str = field(default="fixed-point", metadata=rule(choices=EVICTION_RULES))
+    # Profiles written before these fields existed load with these defaults (today's behaviour).
+    scorer: str = field(default="attention-sum", metadata=rule(choices=SCORERS))
+    # The observation window (last prompt rows) and max-pool width of the "window" scorer.
+    window: int = field(default=32, metadata=rule(low=1))
+    pool: int = field(default=7, metadata=rule(low=1))
+    heads: str = field(default="shared", metadata=rule(choices=HEAD_MODES))
 
 
 @dataclass(frozen=True)

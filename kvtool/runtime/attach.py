@@ -89,6 +89,10 @@ def layer_plans(profile: Profile) -> list[LayerPlan | None]:
                 truncation_distance=profile.method.truncation_distance,
                 select=select,
                 evict=evict,
+                scorer=method.scorer,
+                window=method.window,
+                pool=method.pool,
+                heads=method.heads,
             )
         )
     return plans

@@ -25,6 +25,11 @@ class Method:
     selection: str
     merge: str | None  # None: the calibrated profile's merge mode (calibration picks it with D)
     eviction: str
+    # Query-aware methods score prompt tokens by the attention of the last `window` prompt rows.
+    scorer: str = "attention-sum"
+    window: int = 32
+    pool: int = 7
+    heads: str = "shared"
 
 
 METHODS: dict[str, Method] = {
@@ -50,6 +55,18 @@ METHODS: dict[str, Method] = {
         ),
         Method("prefixkv-merge", "PrefixKV ratios with Elastic Cache's position merging", True, "importance", "position", "fixed-point"),
         Method("prefixkv-evict", "PrefixKV: calibrated per-layer ratios, eviction only", True, "importance", "none", "fixed-point"),
+        Method(
+            "tova",
+            "TOVA: one ratio in every layer; the last prompt token's attention picks the prompt entries, "
+            "then the entry the current token attends least goes (averaged over heads)",
+            False, "importance", "none", "tova", scorer="window", window=1, pool=1,
+        ),
+        Method(
+            "snapkv",
+            "SnapKV (prompt-only): each KV head keeps the entries the last 32 prompt rows attend most "
+            "(max-pooled over 7 positions); nothing is evicted while generating",
+            False, "importance", "none", "prompt-only", scorer="window", window=32, pool=7, heads="per-head",
+        ),
         Method(
             "lookm",
             "LOOK-M: one ratio in every layer, text-prior anchors, pivotal merging by key similarity",
@@ -88,5 +105,8 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
         profile = uniform_profile(model, budget)
     base = calibrated.method if calibrated is not None else MethodSettings()
     merge = method.merge or base.merge
-    settings = dataclasses.replace(base, selection=method.selection, merge=merge, eviction=method.eviction)
+    settings = dataclasses.replace(
+        base, selection=method.selection, merge=merge, eviction=method.eviction,
+        scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads,
+    )
     return dataclasses.replace(profile, method=settings)

@@ -7,7 +7,7 @@ from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
 from kvtool.runtime.eviction.fixed_point import FixedPoint, frozen_prefix
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
-from kvtool.runtime.eviction.none import PromptOnly
+from kvtool.runtime.eviction.prompt_only import PromptOnly
 from kvtool.runtime.eviction.sliding import Sliding
 from kvtool.runtime.eviction.tova import Tova
 

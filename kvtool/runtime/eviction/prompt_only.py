@@ -1,4 +1,4 @@
-"""`none`: prompt-only compression. The prompt is compressed to its share, then nothing is evicted while
+"""`prompt-only`: compress the prompt only. The prompt is compressed to its share, then nothing is evicted while
 generating: every new token adds one entry, so memory exceeds the budget by the generated tokens, by
 design. This is what kvpress and most papers measure; name it prompt-only wherever it is compared."""
 
@@ -10,7 +10,7 @@ from kvtool.runtime.eviction.base import EvictRule
 
 
 class PromptOnly(EvictRule):
-    name = "none"
+    name = "prompt-only"
     holds_budget = False
 
     def victim(self, layer) -> torch.Tensor:
