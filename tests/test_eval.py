@@ -152,7 +152,7 @@ def test_prefixkv_without_a_profile_calibrates_first_and_says_so(tiny_llama_dir,
     [
         (["--data", "MISSING.jsonl"], "no such data file"),
         (["--data", "EMPTY"], "no prompts"),
-        (["--methods", "local,snapkv"], "unknown method 'snapkv'"),
+        (["--methods", "local,quest"], "unknown method 'quest'"),
         (["--budgets", "0.2,1.5"], "outside (0, 1]"),
         (["--budgets", "0"], "outside (0, 1]"),
         (["--budgets", "half"], "not a number"),

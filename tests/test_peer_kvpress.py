@@ -239,7 +239,7 @@ LONG_PROMPT = " ".join(["once upon a time there was a cat and it sat on the mat"
 
 
 def test_prompt_encoding_is_kvtools(word_tokenizer):
-    from kvtool.calibrate.batches import encode_prompt
+    from kvtool.scoring.encoding import encode_prompt
 
     tokenizer = word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -379,7 +379,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
                 for index, ratio in enumerate(RATIOS):
                     layer = cache.layers[index]
                     assert layer.per_head == per_head
-                    expected = math.ceil(ratio * seen - 1e-9) if rule != "none" else math.ceil(ratio * n - 1e-9) + step
+                    expected = math.ceil(ratio * seen - 1e-9) if rule != "prompt-only" else math.ceil(ratio * n - 1e-9) + step
                     assert int(layer.kept[0]) == expected == len(layers[index][0]), f"step {step} layer {index}"
                     for h in range(KV_HEADS):
                         order = layer.order[0, h] if per_head else layer.order[0]
@@ -396,7 +396,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
                         for e, p in zip(entries, share_probs.tolist()):
                             e["score"] += p
                     reference_evict(heads, received[index], rule, math.ceil(ratio * (seen + 1) - 1e-9), seen + 1, per_head)
-        grown = math.ceil(0.5 * n) + len(steps) if rule == "none" else math.ceil(0.5 * (n + len(steps)))
+        grown = math.ceil(0.5 * n) + len(steps) if rule == "prompt-only" else math.ceil(0.5 * (n + len(steps)))
         assert max(int(layer.keys.shape[2]) for layer in cache.layers) <= grown + GROWTH_SLOTS
 
 
@@ -407,7 +407,7 @@ BATCH_CASES = {
     "shared-window-tova": dict(heads="shared", scorer="window", window=16, pool=1, evict="tova"),
     "per-head-sum-h2o": dict(heads="per-head", evict="heavy-hitter"),
     "per-head-sum-sliding": dict(heads="per-head", evict="sliding"),
-    "per-head-window-prompt-only": dict(heads="per-head", scorer="window", window=4, pool=7, evict="none"),
+    "per-head-window-prompt-only": dict(heads="per-head", scorer="window", window=4, pool=7, evict="prompt-only"),
 }
 
 
@@ -444,7 +444,7 @@ def step_through(model, cache, seqs, steps):
 
 
 @pytest.mark.parametrize("heads", ["shared", "per-head"])
-@pytest.mark.parametrize("rule", ["tova", "none"])
+@pytest.mark.parametrize("rule", ["tova", "prompt-only"])
 def test_budget_held_step_by_step(llama, heads, rule):
     seqs = prompts([45, 30], seed=4)
     profile = recipe_profile(llama)
