@@ -40,8 +40,7 @@ def recipe(model, name: str, ratios=RATIOS):
 
 def test_schema_names_match_the_runtime_registries():
     assert set(SELECTION_RULES) == set(SELECT_RULES)
-    # The runtime's newer rules (tova, prompt-only `none`) reach profiles once the schema names them.
-    assert set(EVICTION_RULES) <= set(EVICT_RULES) and set(EVICT_RULES) - set(EVICTION_RULES) <= {"tova", "none"}
+    assert set(EVICTION_RULES) == set(EVICT_RULES)
     assert set(MERGE_MODES) == set(MERGE_RULES)
     for method in METHODS.values():
         assert method.selection in SELECT_RULES and method.eviction in EVICT_RULES
