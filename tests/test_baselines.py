@@ -30,8 +30,18 @@ def llama():
     return tiny_llama()
 
 
+# A recipe calibration may choose: every rule differs from the defaults.
+CALIBRATED_RECIPE = dict(
+    selection="importance", merge="none", eviction="tova", scorer="attention-sum", heads="per-head", recent_share=0.25,
+    sink_tokens=2, recent_window=3, truncation_distance=5,
+)
+
+
 def recipe(model, name: str, ratios=RATIOS):
     m = METHODS[name]
+    if m.recipe:
+        calibrated = profile_with(model, ratios, **CALIBRATED_RECIPE)
+        return method_profile(name, model, calibrated.budget, calibrated)
     return profile_with(
         model, ratios, selection=m.selection, merge=m.merge or "position", eviction=m.eviction,
         sink_tokens=2, recent_window=3, truncation_distance=5,
@@ -43,7 +53,7 @@ def test_schema_names_match_the_runtime_registries():
     assert set(EVICTION_RULES) == set(EVICT_RULES)
     assert set(MERGE_MODES) == set(MERGE_RULES)
     for method in METHODS.values():
-        assert method.selection in SELECT_RULES and method.eviction in EVICT_RULES
+        assert method.selection in SELECT_RULES and (method.eviction in EVICT_RULES or method.recipe)
         assert method.merge in MERGE_RULES or (method.merge is None and method.per_layer)
 
 
@@ -198,6 +208,14 @@ def test_method_profile_settings_and_errors(llama):
         assert method_profile("prefixkv-merge", llama, own.budget, own).method.merge == "position"
     evict = method_profile("prefixkv-evict", llama, calibrated.budget, calibrated)
     assert [layer.ratio for layer in evict.layers] == RATIOS and evict.method.merge == "none"
+    # kvtool runs the calibrated recipe as it is; its prompt-only twin only stops evicting.
+    chosen = profile_with(llama, RATIOS, **CALIBRATED_RECIPE)
+    assert method_profile("kvtool", llama, chosen.budget, chosen) == chosen
+    held = method_profile("kvtool-prompt-only", llama, chosen.budget, chosen)
+    assert held.method == dataclasses.replace(chosen.method, eviction="prompt-only") and held.layers == chosen.layers
+    # prefixkv stays the papers' recipe whatever calibration chose: shared attention-sum, fixed-point.
+    papers = method_profile("prefixkv", llama, chosen.budget, chosen).method
+    assert (papers.scorer, papers.heads, papers.eviction, papers.recent_share) == ("attention-sum", "shared", "fixed-point", 0.0)
     with pytest.raises(KvtoolError, match="unknown method 'snap'"):
         method_profile("snap", llama, 0.2)
     with pytest.raises(KvtoolError, match="needs a calibrated profile"):

@@ -328,18 +328,22 @@ CASES = {
     "per-head-sum-tova-position": ("per-head", "attention-sum", 1, 1, "position", "tova"),
     "shared-tova-prefill-tova": ("shared", "window", 1, 1, "none", "tova"),
     "shared-window-prompt-only": ("shared", "window", 8, 7, "none", "prompt-only"),
+    # A recent share protects ceil(share * keep) recent tokens when that is more than the window.
+    "shared-window-h2o-share-half": ("shared", "window", 4, 3, "none", "heavy-hitter", 0.5),
+    "per-head-sum-fixed-point-share": ("per-head", "attention-sum", 1, 1, "position", "fixed-point", 0.3),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_compressed_decoding_matches_per_head_reference(case):
-    heads_mode, scorer, window, pool, merge, rule = CASES[case]
+    heads_mode, scorer, window, pool, merge, rule, *share = CASES[case]
+    share = share[0] if share else 0.0
     per_head = heads_mode == "per-head"
     model = tiny_llama()
     ids = prompts([30])[0][None]
     n = ids.shape[1]
     profile = recipe_profile(model, merge=merge)
-    plans = rules_plans(profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule)
+    plans = rules_plans(profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule, recent_share=share)
     steps = torch.randint(3, 97, (44,), generator=torch.Generator().manual_seed(7)).tolist()
     recent = max(RECENT, window) if scorer == "window" else RECENT
 
@@ -350,6 +354,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
         layers = []
         for index, ratio in enumerate(RATIOS):
             keep = math.ceil(ratio * n - 1e-9)
+            recent_here = max(recent, math.ceil(share * keep)) if share else recent
             score = reference_scores(maps[index], scorer, window, pool)
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
             if not per_head:
@@ -362,7 +367,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
             kv = full.layers[index]
             heads = []
             for h in range(KV_HEADS):
-                anchors = brute_force_anchors(score[h].tolist(), keep, recent)
+                anchors = brute_force_anchors(score[h].tolist(), keep, recent_here)
                 buckets = nearest_buckets(anchors, n) if merge == "position" else {a: [a] for a in anchors}
                 heads.append([
                     dict(pos=a, k=kv.keys[0, h, members].mean(0), v=kv.values[0, h, members].mean(0),
@@ -408,6 +413,8 @@ BATCH_CASES = {
     "per-head-sum-h2o": dict(heads="per-head", evict="heavy-hitter"),
     "per-head-sum-sliding": dict(heads="per-head", evict="sliding"),
     "per-head-window-prompt-only": dict(heads="per-head", scorer="window", window=4, pool=7, evict="prompt-only"),
+    "per-head-window-tova-share": dict(heads="per-head", scorer="window", window=4, pool=3, evict="tova", recent_share=0.4),
+    "shared-sum-h2o-share": dict(evict="heavy-hitter", recent_share=0.5),
 }
 
 

@@ -16,9 +16,11 @@ from kvtool.profiles.allocation import Allocation, solve_from_samples
 from kvtool.profiles.budget import floor_for, solve_ratios, stored_p
 from kvtool.profiles.lorenz import mean_curve
 from kvtool.calibrate.statistics import ImportanceStats
+from kvtool.calibrate.recipes import recipe_key
+from kvtool.calibrate.search import ChosenRecipe
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.data import Record, dataset_hash
-from kvtool.profiles import CalibrationInfo, LayerProfile, MethodSettings, Profile, PromptStats
+from kvtool.profiles import CalibrationInfo, LayerProfile, MethodSettings, Profile, PromptStats, RecipeTrial
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,16 @@ def build_profile(
     stats: ImportanceStats,
     allocated: Allocated,
     image_share: dict[int, float] | None = None,
+    *,
+    scorer_stats: ImportanceStats | None = None,
 ) -> Profile:
-    """The profile of `allocated`'s ratios with `method`'s settings (D and merge mode as given)."""
+    """The profile of `allocated`'s ratios with `method`'s settings (D and merge mode as given).
+
+    `stats` are the attention-sum statistics (PrefixKV's curves and Gini, always recorded);
+    `scorer_stats` those of `method.scorer` when it is another, whose curves the ratios were solved
+    on (stored as each layer's `scorer_curve`, so re-budgeting solves on them too)."""
     curves = mean_curve(stats.curves)
+    scorer_curves = None if scorer_stats is None else mean_curve(scorer_stats.curves)
     gini = stats.layer_gini()
     position = {layer: j for j, layer in enumerate(stats.layers)}
     layers = []
@@ -65,6 +74,7 @@ def build_profile(
                 ratio_std=float(allocated.spread[j]),
                 priority_curve=tuple(float(v) for v in curves[j]),
                 image_share=None if image_share is None else image_share[index],
+                scorer_curve=None if scorer_curves is None else tuple(float(v) for v in scorer_curves[j]),
             )
         )
     return Profile(
@@ -91,8 +101,10 @@ def with_calibration(
     truncation: TruncationResult | None,
     seed: int,
     seconds: float,
+    recipes: ChosenRecipe | None = None,
 ) -> Profile:
-    """`profile` with the record of its calibration: data, retention p, the D search's PPLs."""
+    """`profile` with the record of its calibration: data, retention p, the D search's PPLs, and
+    the recipe search's table."""
     tokens = stats.prompt_tokens
     info = CalibrationInfo(
         dataset_hash=dataset_hash(samples),
@@ -105,4 +117,22 @@ def with_calibration(
         seed=seed,
         seconds=round(seconds, 1),
     )
+    if recipes is not None:
+        info = dataclasses.replace(
+            info,
+            ppl_full=recipes.ppl_full,
+            ppl_compressed=recipes.search.ppl_of(recipes.search.chosen),
+            chosen_on=recipes.chosen_on,
+            confirmed_on=recipes.confirmed_on or None,
+            held_out_ppl_full=recipes.held_out_ppl_full,
+            recipes=tuple(
+                RecipeTrial(
+                    stage=t.stage, scorer=t.settings.scorer, heads=t.settings.heads, eviction=t.settings.eviction,
+                    recent_share=t.settings.recent_share, merge=t.settings.merge,
+                    truncation_distance=t.settings.truncation_distance, ppl=t.ppl,
+                    held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
+                )
+                for t in recipes.search.trials
+            ),
+        )
     return dataclasses.replace(profile, calibration=info)

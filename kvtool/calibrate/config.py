@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MERGE_MODES, MethodSettings
+from kvtool.calibrate.recipes import SearchSpace
 
 DEFAULT_SAMPLES = 10
 DEFAULT_MAX_PROMPT_TOKENS = 1024
@@ -27,8 +28,11 @@ class CalibrateConfig:
     """Settings of a calibration run; `checked()` validates them before any model work.
 
     `samples` prompts are drawn with `seed`; prompts longer than `max_prompt_tokens` are cut in the
-    middle. `method` gives the sinks, recent window and the D kept when the search is skipped
-    (empty `candidates`). Every D in `candidates` is tried with every mode in `merge_modes` on
+    middle. `method` gives the sinks, recent window and the recipe the search starts from (the
+    papers': attention-sum scores shared by the heads, fixed-point eviction). With `search`, half
+    the prompts (each kind split over both halves) choose the recipe and the other half confirm it.
+    Without, `method`'s rules stay and only D and the merge mode are tuned, or nothing (empty
+    `candidates`). Every D in `candidates` is tried with every mode in `merge_modes` on
     `reference_tokens`-long references; the lowest calibration PPL picks both (an empty
     `merge_modes` tries `method.merge` only). Prompts run `batch_size` at a time.
     """
@@ -41,6 +45,10 @@ class CalibrateConfig:
     reference_tokens: int = REFERENCE_TOKENS
     batch_size: int = DEFAULT_BATCH_SIZE
     merge_modes: Sequence[str] = DEFAULT_MERGE_MODES
+    # The recipe search (kvtool.calibrate.recipes); None keeps `method`'s rules and searches only
+    # D x `merge_modes` (the papers' recipe). With a search, `candidates` and `merge_modes` are not
+    # used: the space names its own.
+    search: SearchSpace | None = SearchSpace()
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -73,4 +81,5 @@ class CalibrateConfig:
             reference_tokens=self.reference_tokens,
             batch_size=self.batch_size,
             merge_modes=merge_modes,
+            search=None if self.search is None else self.search.checked(),
         )

@@ -22,7 +22,8 @@ from kvtool.calibrate.truncation import TruncationResult, TruncationScores, comp
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime import attach, uniform_profile
-from kvtool.scoring import Batch, References, prompt_forward, reference_continuations
+from kvtool.runtime.scoring import make_scorer
+from kvtool.scoring import Batch, NllTotal, References, prompt_forward, reference_continuations, teacher_forced_nll
 
 # Stage names reported to `progress(stage, done, total)`.
 STAGE_IMPORTANCE = "importance"
@@ -81,17 +82,36 @@ class FullPass:
     stats: ImportanceStats
     states: tuple[PromptState, ...]
     images: tuple[PromptImages, ...]
+    # The same statistics under every scorer calibration may choose (stats is `method.scorer`'s).
+    stats_by_scorer: dict[str, ImportanceStats] = dataclasses.field(default_factory=dict)
 
 
-def recorded_importance(cache: Any) -> dict[int, LayerImportance]:
-    """Host copies of the prompt importance every compressing layer of `cache` recorded."""
-    return {
-        index: LayerImportance(
-            importance=layer.prompt_importance.detach().cpu().double().numpy(),
-            valid=layer.prompt_valid.detach().cpu().numpy().astype(bool),
+def recorded_importance(cache: Any, scorer: str = "attention-sum", method: MethodSettings | None = None) -> dict[int, LayerImportance]:
+    """Host copies of what `scorer` makes of the prompt scores every compressing layer of `cache`
+    recorded (shared over heads: one curve per layer); `method` gives the window scorer's window and pool."""
+    method = method or MethodSettings()
+    rule = make_scorer(scorer, window=method.window, pool=method.pool)
+    out = {}
+    for index, layer in cache.compressing_layers().items():
+        valid = layer.prompt_valid
+        score = layer.prompt_importance if scorer == "attention-sum" else rule.score(layer.prompt_scores, valid, False)
+        out[index] = LayerImportance(
+            importance=score.detach().cpu().double().numpy(), valid=valid.detach().cpu().numpy().astype(bool)
         )
-        for index, layer in cache.compressing_layers().items()
-    }
+    return out
+
+
+def scorer_stats(cache: Any, scorer: str, method: MethodSettings) -> ImportanceStats:
+    """One batch's Lorenz statistics under `scorer`. The protected tokens are left out as the
+    runtime protects them; attention-sum column sums are divided by the rows that see each column
+    (see `statistics.compressible`), window scores are not (every scored column sees all window rows)."""
+    rule = make_scorer(scorer, window=method.window, pool=method.pool)
+    return batch_stats(
+        recorded_importance(cache, scorer, method),
+        sink_tokens=method.sink_tokens,
+        recent_window=rule.protected_recent(method.recent_window),
+        per_row_mean=scorer == "attention-sum",
+    )
 
 
 def full_pass(
@@ -104,8 +124,12 @@ def full_pass(
     reference_tokens: int,
     with_references: bool,
     progress: Progress = no_progress,
+    scorers: Sequence[str] = (),
 ) -> FullPass:
-    """Importance of every prompt and, `with_references`, the references of every batch."""
+    """Importance of every prompt and, `with_references`, the references of every batch.
+
+    Statistics are made for each scorer in `scorers` (default: `method.scorer` alone)."""
+    scorers = tuple(dict.fromkeys(scorers or (method.scorer,)))
     samples = sum(len(b.rows) for b in batches)
     importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
     steps = _Counter(STAGE_REFERENCES, len(batches) * (reference_tokens - 1), progress)
@@ -117,10 +141,7 @@ def full_pass(
             for batch, batch_answers in zip(batches, answers):
                 cache = handle.new_cache(record_importance=True)
                 first_logits = prompt_forward(model, batch, cache)
-                stats = batch_stats(
-                    recorded_importance(cache), sink_tokens=method.sink_tokens, recent_window=method.recent_window
-                )
-                parts.append((batch.rows, stats))
+                parts.append((batch.rows, {name: scorer_stats(cache, name, method) for name in scorers}))
                 if cache.image_mask is not None and bool(cache.image_mask.any()):
                     images.append(PromptImages.of(cache))
                 importance.step(len(batch.rows))
@@ -140,7 +161,8 @@ def full_pass(
         handle.detach()
     if with_references:
         steps.finish()
-    return FullPass(stats=combine(parts, samples), states=tuple(states), images=tuple(images))
+    by_scorer = {name: combine([(rows, stats[name]) for rows, stats in parts], samples) for name in scorers}
+    return FullPass(stats=by_scorer[scorers[0]], states=tuple(states), images=tuple(images), stats_by_scorer=by_scorer)
 
 
 def truncation_pass(
@@ -197,3 +219,36 @@ def search_truncation_and_merge(
     merge_ppl = {mode: result.ppl_compressed for mode, result in tried.items()}
     best = min(tried, key=lambda mode: (merge_ppl[mode], mode != profile.method.merge))
     return Search(merge=best, truncation=tried[best], merge_ppl=merge_ppl)
+
+
+STAGE_RECIPES = "recipes"
+STAGE_CONFIRM = "held-out"
+
+
+def recipe_ppl(model: Any, profile: Profile, states: Sequence[PromptState], on_step: Callable[[int], None] | None = None) -> float:
+    """Calibration PPL of `profile`'s recipe: each batch's recorded prompt compressed with its plans,
+    then its references teacher-forced through that cache, pooled over every scored token."""
+    total = NllTotal()
+    handle = attach(model, profile)
+    try:
+        with torch.inference_mode():
+            for state in states:
+                cache = compress_recorded_prompt(handle.new_cache(), state.full_cache, state.batch.attention_mask)
+                nll = teacher_forced_nll(model, cache, state.first_logits, state.batch, state.references, on_step)
+                total.add(nll, state.references.scored)
+    finally:
+        handle.detach()
+    return total.ppl()
+
+
+def full_ppl(states: Sequence[PromptState]) -> NllTotal:
+    """The full cache's NLL on the same references (measured while they were generated)."""
+    total = NllTotal()
+    for state in states:
+        total.add(state.references.nll_full, state.references.scored)
+    return total
+
+
+def reference_steps(states: Sequence[PromptState]) -> int:
+    """Teacher-forced steps one recipe takes over `states` (the progress unit)."""
+    return sum(max(state.references.steps - 1, 0) for state in states)

@@ -1,9 +1,10 @@
-"""`calibrate()`: from a model and prompts to a profile (PrefixKV ratios + a tuned truncation distance).
+"""`calibrate()`: from a model and prompts to a profile (the recipe, its per-layer ratios, D).
 
-The steps, in order: load the model and encode the drawn prompts; the full pass (importance and
-references, `passes.full_pass`); the ratios (`build.allocate`) and the profile they make; the D x
-merge-mode search on the recorded prompt states (`passes.search_truncation_and_merge`); the record
-of the run; the file.
+The steps, in order: draw the prompts (spread over their kinds) and split them into the half that
+chooses and the half that confirms; the full pass (every scorer's statistics and the references,
+`passes.full_pass`); the ratios of each scorer (`build.allocate`); the recipe search on the
+recorded prompt states and its confirmation (`search.choose_recipe`), or without a search the D x
+merge-mode tuning of the given recipe; the record of the run; the file.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from kvtool.calibrate.config import CalibrateConfig
 from kvtool.calibrate.passes import Progress, full_pass, no_progress, search_truncation_and_merge
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
-from kvtool.data import Record, load_jsonl, select_samples
+from kvtool.calibrate.search import ChosenRecipe, choose_recipe
+from kvtool.data import Record, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
-from kvtool.profiles import Profile, fingerprint_of, save_profile
+from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile
 from kvtool.scoring import encode_batches
 
 
@@ -44,6 +46,8 @@ class CalibrationResult:
     path: Path | None
     # Calibration PPL at the best D of every merge mode tried; the lowest one is the profile's.
     merge_ppl: dict[str, float] = field(default_factory=dict)
+    # The recipe search and its confirmation; None when the run kept the given recipe.
+    recipes: ChosenRecipe | None = None
 
 
 def calibrate(
@@ -69,41 +73,75 @@ def calibrate(
     config = replace(config or CalibrateConfig(), **settings).checked()
     dest = check_writable(out) if out is not None else None
     records = tuple(data) if isinstance(data, Sequence) and not isinstance(data, str) else load_jsonl(data)
-    chosen = select_samples(records, config.samples, config.seed)
+    space = config.search if config.candidates else None
+    chosen = select_by_kind(records, config.samples, config.seed) if space else select_samples(records, config.samples, config.seed)
+    # The recipe is chosen on one half and confirmed on the other; one prompt cannot be split.
+    choosing, confirming = split_by_kind(chosen) if space and len(chosen) > 1 else (chosen, ())
+    chosen = choosing + confirming
     report = progress or no_progress
 
     loaded = as_loaded(model, "calibrate")
     method = config.method
-    batches, answers = encode_batches(
-        loaded, chosen, max_tokens=config.max_prompt_tokens, method=method, batch_size=config.batch_size
-    )
+    batches, answers = [], []
+    for offset, part in ((0, choosing), (len(choosing), confirming)):
+        if part:
+            part_batches, part_answers = encode_batches(
+                loaded, part, max_tokens=config.max_prompt_tokens, method=method, batch_size=config.batch_size
+            )
+            batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
+            answers += part_answers
+    scorers = (method.scorer, *(space.scorers if space else ()))
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
         reference_tokens=config.reference_tokens, with_references=bool(config.candidates), progress=report,
+        scorers=("attention-sum", *scorers),
     )
-    allocated = allocate(measured.stats, budget)
-    image_share = kept_image_share(measured.images, dict(zip(measured.stats.layers, allocated.allocation.ratios)), method)
-    profile = build_profile(fingerprint_of(loaded.model, name=loaded.name), budget, method, measured.stats, allocated, image_share)
+    fingerprint = fingerprint_of(loaded.model, name=loaded.name)
+    importance = measured.stats_by_scorer["attention-sum"]
+    allocated = {name: allocate(measured.stats_by_scorer[name], budget) for name in dict.fromkeys(scorers)}
 
-    truncation, merge_ppl = None, {}
-    if config.candidates:
+    def profile_for(settings: MethodSettings) -> Profile:
+        """The profile of `settings` with the ratios of its scorer's curves."""
+        ratios = allocated[settings.scorer]
+        kept = dict(zip(importance.layers, ratios.allocation.ratios))
+        scorer_stats = None if settings.scorer == "attention-sum" else measured.stats_by_scorer[settings.scorer]
+        return build_profile(
+            fingerprint, budget, settings, importance, ratios,
+            kept_image_share(measured.images, kept, settings), scorer_stats=scorer_stats,
+        )
+
+    truncation, merge_ppl, recipes = None, {}, None
+    if space is not None:
+        split = len([b for b in batches if b.rows[0] < len(choosing)])
+        recipes = choose_recipe(
+            loaded.model, method, space, profile_for, measured.states[:split], measured.states[split:], report
+        )
+        profile = profile_for(recipes.search.chosen)
+        truncation = recipes.truncation
+    elif config.candidates:
+        profile = profile_for(method)
         search = search_truncation_and_merge(
             loaded.model, profile, measured.states, config.candidates, config.merge_modes, progress=report
         )
         truncation, merge_ppl = search.truncation, search.merge_ppl
         profile = with_method(profile, merge=search.merge, truncation_distance=truncation.best)
+    else:
+        profile = profile_for(method)
     seconds = time.perf_counter() - started
-    profile = with_calibration(profile, chosen, measured.stats, allocated.allocation, truncation, config.seed, seconds)
+    chosen_stats = measured.stats_by_scorer[profile.method.scorer]
+    allocation = allocated[profile.method.scorer].allocation
+    profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
     if dest is not None:
         save_profile(profile, dest)
     return CalibrationResult(
         profile=profile,
-        stats=measured.stats,
-        allocation=allocated.allocation,
-        per_sample_ratios=allocated.per_sample,
+        stats=chosen_stats,
+        allocation=allocation,
+        per_sample_ratios=allocated[profile.method.scorer].per_sample,
         truncation=truncation,
         samples=chosen,
         seconds=seconds,
         path=dest,
         merge_ppl=merge_ppl,
+        recipes=recipes,
     )

@@ -69,7 +69,8 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
 
     `full` is a budget-1.0 kvtool cache straight after its prompt forward, importance recorded:
     its keys and values are exactly what the same prompt forward would store in `target`, and the
-    importance is what `target`'s layers would compute, so each compressing layer is handed both
+    recorded scores (every kind: column sums, per head, observation window) hold what `target`'s
+    layers would compute, whatever their scorer and head mode, so each compressing layer is handed both
     and compresses as in that forward. This saves calibration a second forward over every
     prompt; a test checks the result against a real compressed prompt forward. Layers kvtool
     leaves alone (sliding windows) are copied as they are. The prompt's image-token mask (set on
@@ -87,7 +88,7 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
             continue
         # Copies: a budget-1.0 target layer keeps the tensors it is given and writes into them.
         layer.update(source.keys.clone(), source.values.clone())
-        layer.compress_prompt(mask, source.prompt_importance)
+        layer.compress_prompt(mask, source.prompt_scores)
     return target
 
 

@@ -85,11 +85,20 @@ def calibrate_command(
         str,
         typer.Option(
             "--merge",
-            help="How evicted prompt tokens are folded into kept ones: 'auto' tries position (Elastic Cache "
-            "bucket mean) and none (pure eviction) with every D and keeps the lower calibration PPL; or name "
-            "one mode (position, none, similarity-avg, similarity-pivot, similarity-weighted).",
+            help="How evicted prompt tokens are folded into kept ones: 'auto' lets calibration choose between "
+            "position (Elastic Cache bucket mean) and none (pure eviction); or name one mode (position, none, "
+            "similarity-avg, similarity-pivot, similarity-weighted).",
         ),
     ] = "auto",
+    search: Annotated[
+        bool,
+        typer.Option(
+            "--search/--papers",
+            help="--search (default): choose the recipe (generation rule, scorer, shared or per-head entries, "
+            "recent share, merge, D) on half the prompts by calibration PPL and confirm it on the other half. "
+            "--papers: keep the papers' recipe (attention-sum, shared, fixed-point) and tune only D and the merge mode.",
+        ),
+    ] = True,
     reference_tokens: Annotated[
         int,
         typer.Option(
@@ -99,11 +108,12 @@ def calibrate_command(
         ),
     ] = 64,  # kvtool.calibrate.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
 ) -> None:
-    """Calibrate per-layer KV ratios (PrefixKV) and the truncation distance; write a profile."""
+    """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.profiles.budget import check_budget
     from kvtool.calibrate.config import DEFAULT_MERGE_MODES, CalibrateConfig
+    from kvtool.calibrate.recipes import SearchSpace
     from kvtool.calibrate.runner import calibrate
     from kvtool.files import check_writable
     from kvtool.profiles import MERGE_MODES, MethodSettings
@@ -120,6 +130,7 @@ def calibrate_command(
         method=MethodSettings() if merge == "auto" else MethodSettings(merge=merge),
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
+        search=(SearchSpace() if merge == "auto" else SearchSpace(merge_modes=(merge,))) if search else None,
     )
     with StageBars(Console(stderr=True)) as bars:
         result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)
@@ -153,7 +164,9 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
             "Samples",
             f"{len(result.samples)} prompts · tokens min {tokens.min} · mean {tokens.mean:.0f} · max {tokens.max}",
         )
-    if result.truncation is not None:
+    if result.recipes is not None:
+        add_recipe_facts(facts, result)
+    elif result.truncation is not None:
         facts.add_row("Truncation D", f"{result.truncation.best} (lowest calibration PPL)")
         if len(result.merge_ppl) > 1:
             tried = ", ".join(f"{mode} {ppl:.3f}" for mode, ppl in result.merge_ppl.items())
@@ -166,8 +179,37 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
     facts.add_row("Time", f"{result.seconds:.1f} s")
     if result.path is not None:
         facts.add_row("Profile", Text(str(result.path)))
-    parts = [facts] if result.truncation is None else [truncation_table(result.truncation), facts]
+    if result.recipes is not None:
+        from kvtool.cli.inspect_cmd import recipe_table
+
+        parts = [recipe_table(profile), facts]
+    else:
+        parts = [facts] if result.truncation is None else [truncation_table(result.truncation), facts]
     console.print(Group(*parts))
+
+
+def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
+    from kvtool.calibrate.recipes import describe
+
+    chosen = result.recipes
+    facts.add_row("Recipe", f"{describe(chosen.search.chosen)} (lowest PPL on {chosen.chosen_on} prompts)")
+    facts.add_row(
+        "Calibration PPL",
+        f"full {chosen.ppl_full:.3f} → {chosen.search.ppl_of(chosen.search.chosen):.3f} (papers' recipe "
+        f"{chosen.search.ppl_of(chosen.search.start):.3f}) over {chosen.tokens} reference tokens",
+    )
+    if chosen.held_out:
+        from kvtool.calibrate.recipes import recipe_key
+
+        held = chosen.held_out
+        verdict = {True: "confirmed", False: "NOT confirmed", None: "nothing to confirm"}[chosen.confirmed]
+        facts.add_row(
+            "Held out",
+            f"{chosen.confirmed_on} other prompts: full {chosen.held_out_ppl_full:.3f} → chosen "
+            f"{held[recipe_key(chosen.search.chosen)]:.3f}, papers' {held[recipe_key(chosen.search.start)]:.3f} ({verdict})",
+        )
+
+
 
 
 def truncation_table(truncation: TruncationResult) -> Table:

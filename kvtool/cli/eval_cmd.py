@@ -60,10 +60,11 @@ def eval_command(
         str,
         typer.Option(
             "--methods",
-            help="Comma-separated: local, h2o, elastic, prefixkv (calibrated ratios, merge mode and D), prefixkv-merge, prefixkv-evict, lookm "
-            "(LOOK-M: text-prior anchors + similarity-pivot merging; the prior needs image tokens), tova, snapkv (prompt-only).",
+            help="Comma-separated: kvtool (the calibrated recipe), prefixkv (the papers': attention-sum ratios, "
+            "fixed-point), prefixkv-merge, prefixkv-evict, elastic, lookm (LOOK-M: text-prior anchors + "
+            "similarity-pivot merging; the prior needs image tokens), h2o, tova, local, snapkv (prompt-only).",
         ),
-    ] = "local,h2o,elastic,prefixkv",
+    ] = "kvtool,prefixkv,h2o,tova,local",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per prompt (ROUGE-L; PPL reference length).")] = 64,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per left-padded batch.")] = 4,
     max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle (which can drop a retrieval needle).")] = 2048,

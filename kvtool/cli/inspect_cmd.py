@@ -36,6 +36,8 @@ def inspect_profile(
     console = Console()
     console.print(summary_grid(profile, path))
     console.print(layer_table(profile))
+    if profile.calibration is not None and profile.calibration.recipes:
+        console.print(recipe_table(profile))
     # soft_wrap keeps the verdict on one line, so it stays greppable whatever the path length.
     console.print(
         Text.assemble(
@@ -89,12 +91,18 @@ def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
 
 def _method_rows(profile: Profile) -> list[tuple[str, str]]:
     s = profile.method
+    scorer = s.scorer if s.scorer != "window" else f"window (last {s.window} rows, pool {s.pool})"
     return [
+        (
+            "Recipe",
+            f"generation {s.eviction} · selection {s.selection} · scorer {scorer} · {s.heads} heads"
+            f" · recent share {s.recent_share:.0%}",
+        ),
         (
             "Method",
             f"merge {s.merge} · sink tokens {s.sink_tokens} · recent window {s.recent_window}"
             f" · truncation distance {s.truncation_distance}",
-        )
+        ),
     ]
 
 
@@ -117,6 +125,11 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
     if info.truncation_ppl:
         table = ", ".join(f"D={d}: {ppl:.3f}" for d, ppl in sorted(info.truncation_ppl.items()))
         rows.append(("Truncation PPL", table))
+    if info.chosen_on is not None:
+        held = f" · confirmed on {info.confirmed_on} held-out prompts" if info.confirmed_on else ""
+        if info.held_out_ppl_full is not None:
+            held += f" (full cache PPL there {info.held_out_ppl_full:.3f})"
+        rows.append(("Recipe search", f"{len(info.recipes or ())} recipes tried on {info.chosen_on} prompts{held}"))
     return rows
 
 
@@ -162,3 +175,28 @@ def ratio_bar(ratio: float, width: int = _BAR_WIDTH) -> str:
 
 def _fmt(value: float | None, spec: str, prefix: str = "") -> str:
     return _MISSING if value is None else f"{prefix}{value:{spec}}"
+
+
+def recipe_table(profile) -> Table:
+    """Every recipe the search tried (from the profile's record), the chosen one marked."""
+    info = profile.calibration
+    table = Table(
+        title="Recipe search",
+        caption=f"teacher-forced PPL on {info.chosen_on} calibration prompts; held out: {info.confirmed_on or 0} others",
+        title_justify="left",
+    )
+    for name, justify in (("stage", "left"), ("generation", "left"), ("scorer", "left"), ("heads", "left"),
+                          ("recent", "right"), ("merge", "left"), ("D", "right"), ("PPL", "right"), ("held out", "right")):
+        table.add_column(name, justify=justify)
+    method = profile.method
+    for t in info.recipes:
+        chosen = (t.eviction, t.scorer, t.heads, t.recent_share, t.merge) == (
+            method.eviction, method.scorer, method.heads, method.recent_share, method.merge
+        ) and (t.eviction != "fixed-point" or t.truncation_distance == method.truncation_distance)
+        table.add_row(
+            t.stage, t.eviction, t.scorer, t.heads, f"{t.recent_share:.0%}", t.merge,
+            str(t.truncation_distance) if t.eviction == "fixed-point" else "-",
+            f"{t.ppl:.3f}{' *' if chosen else ''}", "" if t.held_out_ppl is None else f"{t.held_out_ppl:.3f}",
+            style="bold green" if chosen else None,
+        )
+    return table

@@ -8,7 +8,9 @@ from kvtool.data.records import (
     dataset_hash,
     load_jsonl,
     packaged_data,
+    select_by_kind,
     select_samples,
+    split_by_kind,
 )
 
 __all__ = [
@@ -18,5 +20,7 @@ __all__ = [
     "dataset_hash",
     "load_jsonl",
     "packaged_data",
+    "select_by_kind",
     "select_samples",
+    "split_by_kind",
 ]

@@ -164,6 +164,39 @@ def select_samples(records: Sequence[Record], samples: int, seed: int) -> tuple[
     return tuple(records[i] for i in chosen)
 
 
+def select_by_kind(records: Sequence[Record], samples: int, seed: int) -> tuple[Record, ...]:
+    """`samples` distinct records drawn with `seed`, spread evenly over the records' kinds (round
+    robin over the kinds in order of first appearance, each kind's records in a seeded random
+    order), then in file order. Records without a kind form one kind of their own."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise KvtoolError(f"samples must be a positive integer, got {samples!r}")
+    if samples > len(records):
+        return select_samples(records, samples, seed)  # its error names the shortfall
+    rng = random.Random(seed)
+    groups: dict[str | None, list[int]] = {}
+    for i, record in enumerate(records):
+        groups.setdefault(record.kind, []).append(i)
+    queues = [rng.sample(members, len(members)) for members in groups.values()]
+    picked: list[int] = []
+    while len(picked) < samples:
+        for queue in queues:
+            if queue and len(picked) < samples:
+                picked.append(queue.pop(0))
+    return tuple(records[i] for i in sorted(picked))
+
+
+def split_by_kind(records: Sequence[Record]) -> tuple[tuple[Record, ...], tuple[Record, ...]]:
+    """Two disjoint halves with each kind spread over both: within a kind, records alternate
+    between the first half and the second (the first gets the odd one out)."""
+    seen: dict[str | None, int] = {}
+    first, second = [], []
+    for record in records:
+        position = seen.get(record.kind, 0)
+        seen[record.kind] = position + 1
+        (first if position % 2 == 0 else second).append(record)
+    return tuple(first), tuple(second)
+
+
 def dataset_hash(records: Sequence[Record]) -> str:
     """sha256 over the selected records' normalized prompt and answer, in order, and the content
     (not the path) of each record's images where it has any.

@@ -45,7 +45,7 @@ from kvtool.scoring import (
 Progress = Callable[[str, int, int], None]
 Notify = Callable[[str], None]
 
-DEFAULT_METHODS = ("local", "h2o", "elastic", "prefixkv")
+DEFAULT_METHODS = ("kvtool", "prefixkv", "h2o", "tova", "local")
 DEFAULT_BUDGETS = (0.1, 0.2, 0.5)
 STAGE_FULL = "full cache"
 STAGE_COMPRESSED = "compressed caches"
@@ -211,7 +211,7 @@ def evaluate(
 ) -> EvalReport:
     """Evaluate `config.methods` at `config.budgets` on `data` (default: the packaged evaluation prompts).
 
-    Per-layer methods (prefixkv, prefixkv-evict) take their ratios from `profile`, else from the
+    Per-layer methods (kvtool, prefixkv, prefixkv-evict) take their recipe and ratios from `profile`, else from the
     model's built-in calibrated profile, else from a calibration run on the packaged calibration
     prompts made first (announced through `notify`). Every method shares that profile's sink
     tokens, recent window and truncation distance.

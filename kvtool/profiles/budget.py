@@ -44,15 +44,22 @@ def solve_ratios(curves: np.ndarray, budget: float) -> Allocation:
     return solve_retention(curves, budget, min_ratio=floor_for(budget))
 
 
-def rebudget(profile: Profile, budget: float, source: str = "profile") -> tuple[Profile, Allocation]:
+def rebudget(
+    profile: Profile, budget: float, source: str = "profile", *, importance_curves: bool = False
+) -> tuple[Profile, Allocation]:
     """The profile with ratios re-derived for `budget` from its stored priority curves.
 
-    Measurements tied to the old budget (spread across samples, PPLs) are dropped rather than
-    carried over as if they held for the new one; `retention_p` is the new level.
+    The curves are the profile's scorer's (`scorer_curve` where the layers have one, else
+    `priority_curve`); `importance_curves` solves on the attention-sum curves (`priority_curve`,
+    PrefixKV's) instead and drops the scorer's. Measurements tied to the old budget (spread across
+    samples, PPLs) are dropped rather than carried over as if they held for the new one;
+    `retention_p` is the new level.
     """
     new_budget = check_budget(budget)
     compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
-    missing = [i for i in compress if not profile.layers[i].priority_curve]
+    use_scorer = not importance_curves and any(profile.layers[i].scorer_curve for i in compress)
+    curve_of = (lambda layer: layer.scorer_curve) if use_scorer else (lambda layer: layer.priority_curve)
+    missing = [i for i in compress if not curve_of(profile.layers[i])]
     if not compress:
         raise KvtoolError(f"{source}: no layer is compressed, so there is nothing to re-budget")
     if missing:
@@ -60,10 +67,10 @@ def rebudget(profile: Profile, budget: float, source: str = "profile") -> tuple[
             f"{source}: layer {missing[0]} has no priority curve, so its ratios cannot be re-derived "
             f"for budget {new_budget:g}; calibrate for that budget instead (kvtool calibrate MODEL --budget {new_budget:g})"
         )
-    lengths = {len(profile.layers[i].priority_curve) for i in compress}
+    lengths = {len(curve_of(profile.layers[i])) for i in compress}
     if len(lengths) != 1:
         raise KvtoolError(f"{source}: the layers' priority curves have different lengths {sorted(lengths)}")
-    curves = np.array([profile.layers[i].priority_curve for i in compress], dtype=np.float64)
+    curves = np.array([curve_of(profile.layers[i]) for i in compress], dtype=np.float64)
     try:
         allocation = solve_ratios(curves, new_budget)
     except ValueError as exc:
@@ -72,10 +79,13 @@ def rebudget(profile: Profile, budget: float, source: str = "profile") -> tuple[
     for i, ratio in zip(compress, allocation.ratios):
         # The spread and the kept image share were measured at the old ratios: not carried over.
         layers[i] = dataclasses.replace(layers[i], ratio=float(ratio), ratio_std=None, image_share=None)
+        if importance_curves:
+            layers[i] = dataclasses.replace(layers[i], scorer_curve=None)
     calibration = profile.calibration
     if calibration is not None:
         calibration = dataclasses.replace(
-            calibration, retention_p=stored_p(allocation.p), truncation_ppl={}, ppl_compressed=None
+            calibration, retention_p=stored_p(allocation.p), truncation_ppl={}, ppl_compressed=None,
+            recipes=None, held_out_ppl_full=None, chosen_on=None, confirmed_on=None,
         )
     updated = dataclasses.replace(profile, budget=new_budget, layers=tuple(layers), calibration=calibration)
     return updated, allocation

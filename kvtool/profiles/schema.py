@@ -75,6 +75,9 @@ class MethodSettings:
     window: int = field(default=32, metadata=rule(low=1))
     pool: int = field(default=7, metadata=rule(low=1))
     heads: str = field(default="shared", metadata=rule(choices=HEAD_MODES))
+    # Share of each layer's kept prompt entries reserved for the most recent tokens (beside
+    # `recent_window`, whichever keeps more).
+    recent_share: float = field(default=0.0, metadata=rule(low=0, high=1))
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ class LayerProfile:
     # prompts with images; None for text-only calibrations and layers kvtool leaves alone. Left out of
     # the file when None, so text profiles look as they did before the field existed.
     image_share: float | None = field(default=None, metadata=rule(low=0, high=1, omit_none=True))
+    # The priority curve of the profile's scorer when that is not `attention-sum` (whose curve is
+    # `priority_curve`, PrefixKV's): the ratios are solved on it. Left out of the file when None.
+    scorer_curve: tuple[float, ...] | None = field(
+        default=None, metadata=rule(low=0, high=1, increasing=True, flow=True, digits=6, omit_none=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,22 @@ class PromptStats:
     min: int = field(metadata=_NON_NEGATIVE)
     mean: float = field(metadata=_NON_NEGATIVE)
     max: int = field(metadata=rule(low=0, not_below="min"))
+
+
+@dataclass(frozen=True)
+class RecipeTrial:
+    """One recipe the calibration's search tried, with what it measured."""
+
+    stage: str  # which step of the search tried it (the rule it varied)
+    scorer: str = field(metadata=rule(choices=SCORERS))
+    heads: str = field(metadata=rule(choices=HEAD_MODES))
+    eviction: str = field(metadata=rule(choices=EVICTION_RULES))
+    recent_share: float = field(metadata=rule(low=0, high=1))
+    merge: str = field(metadata=rule(choices=MERGE_MODES))
+    truncation_distance: int = field(metadata=_NON_NEGATIVE)
+    ppl: float = field(metadata=rule(low=0, open_low=True))  # on the prompts that choose
+    # On the held-out calibration prompts, for the recipes confirmed there; left out otherwise.
+    held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,12 @@ class CalibrationInfo:
     ppl_compressed: float | None = field(default=None, metadata=rule(low=0, open_low=True))
     seed: int | None = None
     seconds: float | None = field(default=None, metadata=rule(low=0))
+    # The recipe search (absent when calibration only tuned D and the merge mode): the prompts that
+    # chose, the held-out ones that confirmed, the full cache's PPL there, and every recipe tried.
+    chosen_on: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
+    confirmed_on: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
+    held_out_ppl_full: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+    recipes: tuple[RecipeTrial, ...] | None = field(default=None, metadata=rule(omit_none=True))
 
 
 @dataclass(frozen=True)

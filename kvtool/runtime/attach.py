@@ -93,6 +93,7 @@ def layer_plans(profile: Profile) -> list[LayerPlan | None]:
                 window=method.window,
                 pool=method.pool,
                 heads=method.heads,
+                recent_share=method.recent_share,
             )
         )
     return plans

@@ -60,6 +60,9 @@ class LayerPlan:
     window: int = 32
     pool: int = 7
     heads: str = "shared"  # one of HEAD_MODES
+    # Share of each sequence's kept prompt entries reserved for the most recent tokens (on top of
+    # `recent_window`): on a small budget the question and the last turn are what the answer reads.
+    recent_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.heads not in HEAD_MODES:
@@ -192,7 +195,11 @@ class CompressingLayer(DynamicLayer):
         """What the prompt pass must score beside the layer-averaged column sums."""
         plan = self.plan
         per_head = plan.heads == "per-head"
-        ranks = (self.compresses and plan.select.needs_importance) or plan.record_importance
+        if plan.record_importance:
+            # Recording is for calibration, which tries every scorer and head mode on the same
+            # recorded prompt: score everything (the extra sums come from the same blocks).
+            return ScoreRequest(heads=True, window=plan.window)
+        ranks = self.compresses and plan.select.needs_importance
         request = plan.scoring.request(per_head) if ranks else NO_EXTRAS
         if per_head and self.compresses and plan.evict.needs_scores:
             request = replace(request, heads=True)  # each head accumulates its own attention
@@ -299,6 +306,15 @@ class CompressingLayer(DynamicLayer):
             return None
         return plan.scoring.score(scores, token_valid, plan.heads == "per-head")
 
+    def _protected_recent(self, keep: np.ndarray) -> int | np.ndarray:
+        """The recent tokens selection keeps whatever their score: the plan's window, or its share
+        of each sequence's kept entries when that is more (an array of B counts then)."""
+        plan = self.plan
+        window = plan.scoring.protected_recent(plan.recent_window)
+        if plan.recent_share <= 0.0:
+            return window
+        return np.maximum(window, np.ceil(plan.recent_share * np.asarray(keep)).astype(np.int64))
+
     def _select_shared(self, rank_by, token_valid, keep, image_mask):
         """One index set for every KV head: keys/values [B, Hkv, K, D], index and validity [B, K]."""
         plan = self.plan
@@ -307,7 +323,7 @@ class CompressingLayer(DynamicLayer):
             token_valid,
             keep,
             sink_tokens=plan.sink_tokens,
-            recent_window=plan.scoring.protected_recent(plan.recent_window),
+            recent_window=self._protected_recent(keep),
             image_mask=image_mask,
         )
         keys, values = plan.merge.merge(self.keys, self.values, selection, token_valid, rank_by)
@@ -328,7 +344,7 @@ class CompressingLayer(DynamicLayer):
             flat_valid,
             np.repeat(keep, heads),
             sink_tokens=plan.sink_tokens,
-            recent_window=plan.scoring.protected_recent(plan.recent_window),
+            recent_window=np.repeat(np.broadcast_to(self._protected_recent(keep), keep.shape), heads),
             image_mask=per_row(image_mask),
         )
         one_head = lambda t: t.reshape(bsz * heads, 1, n, t.shape[-1])  # noqa: E731

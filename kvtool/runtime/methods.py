@@ -24,17 +24,34 @@ class Method:
     per_layer: bool  # calibrated per-layer ratios (PrefixKV) instead of the same ratio in every layer
     selection: str
     merge: str | None  # None: the calibrated profile's merge mode (calibration picks it with D)
-    eviction: str
+    eviction: str | None  # None: the calibrated profile's (recipe methods)
     # Query-aware methods score prompt tokens by the attention of the last `window` prompt rows.
     scorer: str = "attention-sum"
     window: int = 32
     pool: int = 7
     heads: str = "shared"
+    # The calibrated recipe as it is: every rule and the ratios from the profile (`kvtool`).
+    recipe: bool = False
 
+
+# The calibrated recipe: what `generate`, `eval` and `bench` run by default.
+DEFAULT_METHOD = "kvtool"
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
+        Method(
+            DEFAULT_METHOD,
+            "kvtool's calibrated recipe: the rules (generation rule, scorer, heads, recent share, merge, D) "
+            "and per-layer ratios calibration chose for this model and budget",
+            True, "importance", None, None, recipe=True,
+        ),
+        Method(
+            "kvtool-prompt-only",
+            "kvtool's calibrated recipe compressing the prompt only: nothing is evicted while generating "
+            "(the cache grows by the new tokens), like kvpress's presses",
+            True, "importance", None, "prompt-only", recipe=True,
+        ),
         Method("local", "StreamingLLM: sink tokens plus the most recent ones", False, "recent", "none", "sliding"),
         Method(
             "h2o",
@@ -47,7 +64,8 @@ METHODS: dict[str, Method] = {
         Method("elastic", "Elastic Cache: one ratio in every layer, importance anchors, merging", False, "importance", "position", "fixed-point"),
         Method(
             "prefixkv",
-            "kvtool: calibrated per-layer ratios, importance anchors, the calibrated merge mode and D",
+            "PrefixKV: per-layer ratios from attention-sum Lorenz curves, importance anchors shared by the heads, "
+            "fixed-point eviction, the calibrated merge mode and D",
             True,
             "importance",
             None,
@@ -89,9 +107,10 @@ def get_method(name: str) -> Method:
 def method_profile(name: str, model, budget: float, calibrated: Profile | None = None) -> Profile:
     """The profile that applies method `name` at `budget` to `model`.
 
-    Per-layer methods need `calibrated` (its ratios are re-derived for `budget` from the stored curves);
-    the others use the same ratio in every layer. Sinks, recent window and truncation distance come
-    from `calibrated` when given, so methods differ only in what their names say.
+    Per-layer methods need `calibrated` (its ratios are re-derived for `budget` from the stored curves:
+    `kvtool` from its scorer's, the PrefixKV methods from the attention-sum ones); the others use the
+    same ratio in every layer. Sinks, recent window and truncation distance come from `calibrated`
+    when given, so methods differ only in what their names say. `kvtool` is the profile's own recipe.
     """
 
     method = get_method(name)
@@ -100,13 +119,20 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     if method.per_layer:
         if calibrated is None:
             raise KvtoolError(f"method {name!r} needs a calibrated profile (kvtool calibrate MODEL --budget B)")
-        profile = calibrated if budget == calibrated.budget else rebudget(calibrated, budget, source=name)[0]
+        if method.recipe:
+            profile = calibrated if budget == calibrated.budget else rebudget(calibrated, budget, source=name)[0]
+            if method.eviction is None:
+                return profile
+            return dataclasses.replace(profile, method=dataclasses.replace(profile.method, eviction=method.eviction))
+        # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
+        own = calibrated.method.scorer == "attention-sum" and budget == calibrated.budget
+        profile = calibrated if own else rebudget(calibrated, budget, source=name, importance_curves=True)[0]
     else:
         profile = uniform_profile(model, budget)
     base = calibrated.method if calibrated is not None else MethodSettings()
     merge = method.merge or base.merge
     settings = dataclasses.replace(
         base, selection=method.selection, merge=merge, eviction=method.eviction,
-        scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads,
+        scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads, recent_share=0.0,
     )
     return dataclasses.replace(profile, method=settings)

@@ -1,0 +1,178 @@
+"""The recipe search: which rules keep the answers at this budget, chosen by calibration PPL.
+
+A recipe is what calibration varies in a profile's method settings: the generation rule
+(eviction), the scorer, shared or per-head entries, the recent share, the merge mode and D. The
+full product is hundreds of recipes; the search is one round of coordinate descent instead: from
+the papers' recipe, each step tries every value of one rule with the others at the best so far and
+keeps the lowest PPL (ties keep the current value), in the order the rules matter most (the
+generation rule decides what survives a long answer, D only tunes the fixed-point queue, so it
+goes last and only when the queue is chosen). About a dozen recipes, each a teacher-forced pass.
+
+The PPLs come from the prompts that choose; `confirm` re-measures the finalists on calibration
+prompts the choice never saw. Nothing here runs a model: `measure` is handed in, which keeps the
+search testable against a brute-force search of the same space.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles import EVICTION_RULES, MERGE_MODES, MethodSettings
+from kvtool.profiles.schema import HEAD_MODES, SCORERS
+
+# Every generation rule that holds the budget; "prompt-only" lets the cache grow, so it is a mode
+# users ask for by name, never a calibration result for a budget that must hold.
+HELD_EVICTIONS = ("fixed-point", "heavy-hitter", "tova")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values each rule may take; one value fixes that rule."""
+
+    evictions: tuple[str, ...] = HELD_EVICTIONS
+    scorers: tuple[str, ...] = SCORERS
+    heads: tuple[str, ...] = HEAD_MODES
+    recent_shares: tuple[float, ...] = (0.0, 0.25, 0.5)
+    merge_modes: tuple[str, ...] = ("none", "position")
+    distances: tuple[int, ...] = (0, 8, 16, 25, 48, 96)
+
+    def checked(self) -> "SearchSpace":
+        """The same space with duplicates dropped; a one-line KvtoolError for a bad value."""
+        checks = (
+            ("generation rule", self.evictions, EVICTION_RULES),
+            ("scorer", self.scorers, SCORERS),
+            ("head mode", self.heads, HEAD_MODES),
+            ("merge mode", self.merge_modes, MERGE_MODES),
+        )
+        for what, values, known in checks:
+            if not values:
+                raise KvtoolError(f"the recipe search needs at least one {what}")
+            unknown = [v for v in values if v not in known]
+            if unknown:
+                raise KvtoolError(f"unknown {what} {unknown[0]!r} (known: {', '.join(known)})")
+        if not self.recent_shares or any(not 0.0 <= float(s) <= 1.0 for s in self.recent_shares):
+            raise KvtoolError(f"recent shares must be fractions in [0, 1], got {list(self.recent_shares)}")
+        if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.distances):
+            raise KvtoolError(f"truncation distances must be integers >= 0, got {list(self.distances)}")
+        unique = lambda values: tuple(dict.fromkeys(values))  # noqa: E731
+        return SearchSpace(
+            evictions=unique(self.evictions),
+            scorers=unique(self.scorers),
+            heads=unique(self.heads),
+            recent_shares=unique(float(s) for s in self.recent_shares),
+            merge_modes=unique(self.merge_modes),
+            distances=unique(self.distances),
+        )
+
+
+# (stage name, MethodSettings field, SearchSpace field), in the order the search walks them.
+STAGES = (
+    ("generation rule", "eviction", "evictions"),
+    ("scorer", "scorer", "scorers"),
+    ("heads", "heads", "heads"),
+    ("recent share", "recent_share", "recent_shares"),
+    ("merge", "merge", "merge_modes"),
+    ("D", "truncation_distance", "distances"),
+)
+FIRST_STAGE = "start"
+
+
+def recipe_key(settings: MethodSettings) -> tuple:
+    """What tells two recipes apart: D only matters to the fixed-point queue."""
+    distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
+    return (settings.eviction, settings.scorer, settings.heads, settings.recent_share, settings.merge, distance)
+
+
+def describe(settings: MethodSettings) -> str:
+    """A recipe in one short line: `tova · window · per-head · recent 25% · merge none`."""
+    parts = [settings.eviction]
+    if settings.eviction == "fixed-point":
+        parts[0] += f" D{settings.truncation_distance}"
+    parts += [settings.scorer, settings.heads, f"recent {settings.recent_share:.0%}", f"merge {settings.merge}"]
+    return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class Trial:
+    stage: str
+    settings: MethodSettings
+    ppl: float
+
+
+@dataclass(frozen=True)
+class RecipeSearch:
+    chosen: MethodSettings
+    start: MethodSettings
+    trials: tuple[Trial, ...]  # in the order tried
+
+    def ppl_of(self, settings: MethodSettings) -> float:
+        key = recipe_key(settings)
+        return next(t.ppl for t in self.trials if recipe_key(t.settings) == key)
+
+    def finalists(self, count: int = 3) -> tuple[MethodSettings, ...]:
+        """The chosen recipe, the runners-up by PPL and the papers' recipe the search started from."""
+        ranked = sorted(self.trials, key=lambda t: t.ppl)
+        picked = {recipe_key(self.chosen): self.chosen}
+        for trial in ranked:
+            if len(picked) >= count:
+                break
+            picked.setdefault(recipe_key(trial.settings), trial.settings)
+        picked.setdefault(recipe_key(self.start), self.start)
+        return tuple(picked.values())
+
+
+Measure = Callable[[str, MethodSettings], float]
+
+
+def search_recipe(start: MethodSettings, space: SearchSpace, measure: Measure, rounds: int = 3) -> RecipeSearch:
+    """Coordinate descent over `space` from `start`; `measure(stage, settings)` gives a recipe's PPL.
+
+    A round walks every stage once; the next round starts only if the last one moved (a rule chosen
+    late can change which earlier value is best: the generation rule was first tried with the
+    papers' scorer), and recipes already measured are not measured again."""
+    trials: dict[tuple, Trial] = {}
+
+    def tried(stage: str, settings: MethodSettings) -> Trial:
+        key = recipe_key(settings)
+        if key not in trials:
+            trials[key] = Trial(stage, settings, float(measure(stage, settings)))
+        return trials[key]
+
+    current = tried(FIRST_STAGE, start).settings
+    for round_ in range(1, rounds + 1):
+        before = recipe_key(current)
+        for stage, attr, values in STAGES:
+            if attr == "truncation_distance" and current.eviction != "fixed-point":
+                continue
+            label = stage if round_ == 1 else f"{stage} ({round_})"
+            options = [tried(label, dataclasses.replace(current, **{attr: v})) for v in getattr(space, values)]
+            incumbent = trials[recipe_key(current)]
+            best = min(options, key=lambda t: t.ppl)
+            if best.ppl < incumbent.ppl:
+                current = best.settings
+        if recipe_key(current) == before:
+            break
+    return RecipeSearch(chosen=current, start=start, trials=tuple(trials.values()))
+
+
+def brute_force(start: MethodSettings, space: SearchSpace, measure: Callable[[MethodSettings], float]) -> MethodSettings:
+    """The best recipe of the whole product (tests compare the search with it on cheap measures)."""
+    best, best_ppl = start, float(measure(start))
+    for eviction in space.evictions:
+        distances = space.distances if eviction == "fixed-point" else (start.truncation_distance,)
+        for scorer in space.scorers:
+            for heads in space.heads:
+                for share in space.recent_shares:
+                    for merge in space.merge_modes:
+                        for distance in distances:
+                            settings = dataclasses.replace(
+                                start, eviction=eviction, scorer=scorer, heads=heads,
+                                recent_share=share, merge=merge, truncation_distance=distance,
+                            )
+                            ppl = float(measure(settings))
+                            if ppl < best_ppl:
+                                best, best_ppl = settings, ppl
+    return best

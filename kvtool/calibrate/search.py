@@ -1,0 +1,103 @@
+"""Running the recipe search on a model: each recipe's calibration PPL on the prompts that choose,
+then the finalists' on the held-out calibration prompts (`recipes` holds the search itself)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtool.calibrate.passes import (
+    STAGE_CONFIRM,
+    STAGE_RECIPES,
+    Progress,
+    PromptState,
+    _Counter,
+    full_ppl,
+    recipe_ppl,
+    reference_steps,
+)
+from kvtool.calibrate.recipes import STAGES, RecipeSearch, SearchSpace, recipe_key, search_recipe
+from kvtool.calibrate.truncation import TruncationResult
+from kvtool.profiles import MethodSettings, Profile
+
+
+@dataclass(frozen=True)
+class ChosenRecipe:
+    """The search, and what the held-out calibration prompts said of its finalists."""
+
+    search: RecipeSearch
+    held_out: dict[tuple, float]  # recipe_key -> PPL on the held-out prompts (finalists only)
+    ppl_full: float  # the full cache on the prompts that chose
+    held_out_ppl_full: float | None  # ... and on the held-out ones (None without any)
+    tokens: int  # reference tokens scored on the prompts that chose
+    chosen_on: int
+    confirmed_on: int
+    truncation: TruncationResult | None  # the chosen recipe's D trials (fixed-point only)
+
+    @property
+    def confirmed(self) -> bool | None:
+        """Whether the chosen recipe beats the papers' on the held-out prompts (None: none held out,
+        or the search kept the papers' recipe)."""
+        chosen, start = recipe_key(self.search.chosen), recipe_key(self.search.start)
+        if not self.held_out or chosen == start:
+            return None
+        return self.held_out[chosen] <= self.held_out[start]
+
+
+def max_trials(space: SearchSpace) -> int:
+    """Recipes the first round tries at most (the progress bar's length: D may be skipped, a second
+    round adds a few, so the bar is re-sized as it goes)."""
+    return 1 + sum(len(getattr(space, values)) - 1 for _, _, values in STAGES)
+
+
+def choose_recipe(
+    model: Any,
+    start: MethodSettings,
+    space: SearchSpace,
+    profile_for: Callable[[MethodSettings], Profile],
+    choosing: Sequence[PromptState],
+    confirming: Sequence[PromptState],
+    progress: Progress,
+) -> ChosenRecipe:
+    """Search on `choosing`, then measure the finalists on `confirming`."""
+    steps = reference_steps(choosing)
+    bar = _Counter(STAGE_RECIPES, max_trials(space) * steps, progress).start()
+
+    def measure(stage: str, settings: MethodSettings) -> float:
+        bar.total = max(bar.total, bar.done + steps)  # a second round runs past the first's estimate
+        return recipe_ppl(model, profile_for(settings), choosing, bar.step)
+
+    search = search_recipe(start, space, measure)
+    bar.finish()
+    held_out: dict[tuple, float] = {}
+    held_out_full = None
+    if confirming:
+        finalists = search.finalists(2)
+        confirm = _Counter(STAGE_CONFIRM, len(finalists) * reference_steps(confirming), progress).start()
+        for settings in finalists:
+            held_out[recipe_key(settings)] = recipe_ppl(model, profile_for(settings), confirming, confirm.step)
+        confirm.finish()
+        held_out_full = full_ppl(confirming).ppl()
+    full = full_ppl(choosing)
+    return ChosenRecipe(
+        search=search,
+        held_out=held_out,
+        ppl_full=full.ppl(),
+        held_out_ppl_full=held_out_full,
+        tokens=full.count,
+        chosen_on=sum(len(s.batch.rows) for s in choosing),
+        confirmed_on=sum(len(s.batch.rows) for s in confirming),
+        truncation=_truncation(search, full.ppl(), full.count),
+    )
+
+
+def _truncation(search: RecipeSearch, ppl_full: float, tokens: int) -> TruncationResult | None:
+    """The D trials of the chosen recipe, in the form the D-only tuning reports."""
+    chosen = search.chosen
+    if chosen.eviction != "fixed-point":
+        return None
+    same = lambda s: dataclasses.replace(s, truncation_distance=0) == dataclasses.replace(chosen, truncation_distance=0)  # noqa: E731
+    ppl = {t.settings.truncation_distance: t.ppl for t in search.trials if same(t.settings)}
+    return TruncationResult(ppl=ppl, best=chosen.truncation_distance, ppl_full=ppl_full, tokens=tokens)

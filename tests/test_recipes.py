@@ -1,0 +1,230 @@
+"""The recipe search (kvtool.calibrate.recipes) against a brute-force search of the same space, on
+cheap made-up measures; the sample draw and split it runs on; the profile record it leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from kvtool.calibrate.recipes import (
+    FIRST_STAGE,
+    SearchSpace,
+    brute_force,
+    describe,
+    recipe_key,
+    search_recipe,
+)
+from kvtool.data import Record, select_by_kind, split_by_kind
+from kvtool.errors import KvtoolError
+from kvtool.profiles import MethodSettings
+
+START = MethodSettings(merge="position", truncation_distance=25)
+SPACE = SearchSpace()
+
+
+def separable(seed: int, distance_costs: bool = False):
+    """A measure that is a sum of one random cost per rule value: coordinate descent finds its
+    minimum in one round, whatever the start. D costs are off by default: the generation rule is
+    chosen at the start's D, so a D that would make the queue win is out of its reach (the search
+    is pruned, not exhaustive)."""
+    rng = random.Random(seed)
+    costs = {
+        "eviction": {v: rng.random() for v in SPACE.evictions},
+        "scorer": {v: rng.random() for v in SPACE.scorers},
+        "heads": {v: rng.random() for v in SPACE.heads},
+        "recent_share": {v: rng.random() for v in SPACE.recent_shares},
+        "merge": {v: rng.random() for v in SPACE.merge_modes},
+        "truncation_distance": {v: rng.random() if distance_costs else 0.0 for v in SPACE.distances},
+    }
+
+    def measure(settings: MethodSettings) -> float:
+        total = 1.0 + sum(costs[attr][getattr(settings, attr)] for attr in costs if attr != "truncation_distance")
+        if settings.eviction == "fixed-point":
+            total += costs["truncation_distance"][settings.truncation_distance]
+        return total
+
+    return measure
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_search_finds_the_brute_force_best_of_a_separable_measure(seed):
+    measure = separable(seed)
+    calls = []
+    search = search_recipe(START, SPACE, lambda stage, s: calls.append(s) or measure(s))
+    best = brute_force(START, SPACE, measure)
+    assert measure(search.chosen) == pytest.approx(measure(best))
+    # Each recipe measured once, and far fewer than the product (about 180 recipes).
+    assert len({recipe_key(s) for s in calls}) == len(calls) < 35
+    assert search.trials[0].stage == FIRST_STAGE and search.trials[0].settings == START
+
+
+def test_d_is_the_queue_length_with_the_lowest_cost_once_the_queue_wins():
+    for seed in range(10):
+        costs = separable(seed, distance_costs=True)
+        measure = lambda s: costs(s) - (10.0 if s.eviction == "fixed-point" else 0.0)  # noqa: E731
+        search = search_recipe(START, SPACE, lambda stage, s: measure(s))
+        assert search.chosen.eviction == "fixed-point"
+        assert measure(search.chosen) == pytest.approx(measure(brute_force(START, SPACE, measure)))
+
+
+def test_search_never_ends_worse_than_where_it_started_and_keeps_ties():
+    flat = search_recipe(START, SPACE, lambda stage, s: 3.0)
+    assert flat.chosen == START  # ties keep the current recipe
+    rng = random.Random(1)
+    table: dict = {}
+    for _ in range(30):
+        noisy = search_recipe(START, SPACE, lambda stage, s: table.setdefault(recipe_key(s), rng.random()))
+        assert noisy.ppl_of(noisy.chosen) <= noisy.ppl_of(START)
+        assert noisy.ppl_of(noisy.chosen) == min(t.ppl for t in noisy.trials)
+
+
+def test_a_second_round_revisits_an_early_rule():
+    # tova only pays off with the window scorer, which the first round reaches after the generation
+    # rule: the second round must go back and take tova.
+    def measure(s: MethodSettings) -> float:
+        cost = {"fixed-point": 5.0, "heavy-hitter": 4.0, "tova": 4.5}[s.eviction]
+        if s.scorer == "window":
+            cost -= 2.0 + (1.0 if s.eviction == "tova" else 0.0)
+        return cost
+
+    one = search_recipe(START, SPACE, lambda stage, s: measure(s), rounds=1)
+    two = search_recipe(START, SPACE, lambda stage, s: measure(s), rounds=2)
+    assert (one.chosen.eviction, one.chosen.scorer) == ("heavy-hitter", "window")
+    assert (two.chosen.eviction, two.chosen.scorer) == ("tova", "window")
+    assert any(t.stage.endswith("(2)") for t in two.trials)
+
+
+def test_d_is_searched_only_for_the_fixed_point_queue():
+    tova_wins = lambda stage, s: 1.0 if s.eviction == "tova" else 2.0  # noqa: E731
+    search = search_recipe(START, SPACE, tova_wins)
+    assert search.chosen.eviction == "tova"
+    assert not [t for t in search.trials if t.stage == "D"]
+    # D does not tell tova recipes apart.
+    a, b = dataclasses.replace(search.chosen, truncation_distance=0), dataclasses.replace(search.chosen, truncation_distance=96)
+    assert recipe_key(a) == recipe_key(b)
+    assert "D" not in describe(search.chosen) and "D25" in describe(START)
+
+
+def test_finalists_are_the_chosen_the_runners_up_and_the_start():
+    table: dict = {}
+    rng = random.Random(3)
+    search = search_recipe(START, SPACE, lambda stage, s: table.setdefault(recipe_key(s), rng.random()))
+    finalists = search.finalists(3)
+    keys = [recipe_key(s) for s in finalists]
+    assert keys[0] == recipe_key(search.chosen)
+    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 4
+
+
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        (SearchSpace(evictions=("lru",)), "unknown generation rule 'lru'"),
+        (SearchSpace(scorers=()), "at least one scorer"),
+        (SearchSpace(recent_shares=(1.5,)), "recent shares must be fractions"),
+        (SearchSpace(distances=(-1,)), "truncation distances must be integers >= 0"),
+        (SearchSpace(merge_modes=("blend",)), "unknown merge mode 'blend'"),
+    ],
+)
+def test_bad_search_spaces_fail_in_one_line(space, message):
+    with pytest.raises(KvtoolError, match=message):
+        space.checked()
+
+
+def _records(kinds: list[str | None]) -> tuple[Record, ...]:
+    return tuple(Record(prompt=f"p{i}", kind=kind) for i, kind in enumerate(kinds))
+
+
+def test_draw_spreads_over_kinds_and_the_split_shares_every_kind():
+    kinds = [k for k in ("doc", "chat", "code", "image", "retrieval") for _ in range(10)]
+    records = _records(kinds)
+    for seed in range(5):
+        drawn = select_by_kind(records, 10, seed)
+        assert sorted(r.kind for r in drawn) == sorted(k for k in set(kinds) for _ in range(2))
+        assert drawn == select_by_kind(records, 10, seed)  # same seed, same draw
+        first, second = split_by_kind(drawn)
+        assert {r.kind for r in first} == {r.kind for r in second} == set(kinds)
+        assert not set(first) & set(second) and len(first) + len(second) == len(drawn)
+    # Uneven kinds and no kind at all still give distinct records, as many as asked.
+    mixed = _records(["a"] * 7 + [None] * 2 + ["b"])
+    for samples in range(1, 11):
+        drawn = select_by_kind(mixed, samples, 0)
+        assert len(set(drawn)) == samples
+    with pytest.raises(KvtoolError, match="only 10 prompts"):
+        select_by_kind(mixed, 11, 0)
+
+
+def test_the_search_space_default_covers_every_held_rule():
+    assert set(SPACE.evictions) == {"fixed-point", "heavy-hitter", "tova"}
+    product = list(itertools.product(SPACE.evictions, SPACE.scorers, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes))
+    assert len(product) == 72  # times the D values of the fixed-point queue
+
+
+# ----- what a searched profile records ------------------------------------------------------------
+
+def _searched_profile(tmp_path):
+    import numpy as np
+
+    from kvtool.profiles import CalibrationInfo, PromptStats, RecipeTrial
+    from kvtool.profiles.lorenz import priority_curve
+    from tests.tiny_models import profile_with, tiny_llama
+
+    rng = np.random.default_rng(0)
+    base = profile_with(tiny_llama(), [0.3, 0.5, 0.2], scorer="window", eviction="tova", heads="per-head", recent_share=0.25)
+    layers = tuple(
+        dataclasses.replace(
+            layer,
+            priority_curve=tuple(float(v) for v in priority_curve(rng.pareto(1.0 + i, 300), 201)),
+            scorer_curve=tuple(float(v) for v in priority_curve(rng.pareto(3.0 - i, 300), 201)),
+        )
+        for i, layer in enumerate(base.layers)
+    )
+    trials = (
+        RecipeTrial("start", "attention-sum", "shared", "fixed-point", 0.0, "position", 25, 4.9, held_out_ppl=4.6),
+        RecipeTrial("scorer", "window", "per-head", "tova", 0.25, "none", 25, 2.5, held_out_ppl=2.4),
+    )
+    info = CalibrationInfo(
+        dataset_hash="sha256:x", samples=10, prompt_tokens=PromptStats(min=100, mean=500.0, max=1000),
+        chosen_on=5, confirmed_on=5, held_out_ppl_full=1.7, recipes=trials,
+    )
+    return dataclasses.replace(base, layers=layers, calibration=info)
+
+
+def test_recipe_record_and_scorer_curves_round_trip(tmp_path):
+    from kvtool.profiles import read_profile, save_profile
+
+    profile = _searched_profile(tmp_path)
+    path = save_profile(profile, tmp_path / "p.yaml")
+    text = path.read_text()
+    assert "scorer_curve:" in text and "recipes:" in text and "held_out_ppl: 2.4" in text
+    back = read_profile(path)
+    assert back.calibration.recipes == profile.calibration.recipes
+    assert back.method == profile.method
+    # A profile without a search writes none of the new keys (older files read as they were).
+    plain = dataclasses.replace(profile, calibration=None, layers=tuple(dataclasses.replace(l, scorer_curve=None) for l in profile.layers))
+    assert "scorer_curve" not in save_profile(plain, tmp_path / "q.yaml").read_text()
+
+
+def test_rebudget_solves_on_the_scorers_curves_and_prefixkv_on_attention_sums(tmp_path):
+    import numpy as np
+
+    from kvtool.profiles.budget import rebudget, solve_ratios
+    from kvtool.runtime import method_profile
+    from tests.tiny_models import tiny_llama
+
+    profile = _searched_profile(tmp_path)
+    scorer = np.array([layer.scorer_curve for layer in profile.layers])
+    importance = np.array([layer.priority_curve for layer in profile.layers])
+    own, _ = rebudget(profile, 0.3)
+    assert [l.ratio for l in own.layers] == pytest.approx(list(solve_ratios(scorer, 0.3).ratios))
+    assert own.calibration.recipes is None  # measured at the old budget
+    papers, _ = rebudget(profile, 0.3, importance_curves=True)
+    assert [l.ratio for l in papers.layers] == pytest.approx(list(solve_ratios(importance, 0.3).ratios))
+    assert all(l.scorer_curve is None for l in papers.layers)
+    assert solve_ratios(scorer, 0.3).ratios.tolist() != pytest.approx(solve_ratios(importance, 0.3).ratios.tolist())
+    model = tiny_llama()
+    prefixkv = method_profile("prefixkv", model, profile.budget, profile)
+    assert [l.ratio for l in prefixkv.layers] == pytest.approx(list(solve_ratios(importance, profile.budget).ratios))
+    assert method_profile("kvtool", model, profile.budget, profile) == profile
