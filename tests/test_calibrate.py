@@ -16,7 +16,7 @@ import torch
 from conftest import make_word_tokenizer
 from kvtool.calibrate.config import DEFAULT_CANDIDATES, CalibrateConfig
 from kvtool.calibrate.runner import calibrate, check_writable
-from kvtool.data import Record, dataset_hash, load_jsonl, select_samples
+from kvtool.data import Record, dataset_hash, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.errors import KvtoolError
 from kvtool.models import LoadedModel, prepare_tokenizer
 from kvtool.profiles import profile_to_dict, read_profile, save_profile
@@ -29,7 +29,9 @@ WORDS = (
 ).split()
 
 # Small runs: the pipeline is the same at any length, and the tests share a 2-core machine.
-FAST = {"reference_tokens": 6, "candidates": (0, 8, 25)}
+# The papers' recipe with D and the merge mode tuned (search=None): these tests pin that tuning;
+# the recipe search has its own below and in test_recipes.py.
+FAST = {"reference_tokens": 6, "candidates": (0, 8, 25), "search": None}
 
 
 def word_prompts(count: int, seed: int = 0, low: int = 30, high: int = 60) -> list[Record]:
@@ -137,7 +139,7 @@ def test_truncation_table_has_every_candidate(tiny: LoadedModel, result) -> None
     assert result.profile.method.truncation_distance == result.truncation.best
     assert info.ppl_compressed == min(info.truncation_ppl.values())
     assert info.ppl_full > 0 and all(ppl > 0 for ppl in info.truncation_ppl.values())
-    default = calibrate(tiny, 0.3, data=word_prompts(4), samples=3, reference_tokens=4)
+    default = calibrate(tiny, 0.3, data=word_prompts(4), samples=3, reference_tokens=4, search=None)
     assert set(default.profile.calibration.truncation_ppl) == set(DEFAULT_CANDIDATES)
 
 
@@ -152,10 +154,10 @@ def test_budget_one_keeps_everything(tiny: LoadedModel) -> None:
 
 def test_answers_are_the_references_when_given(tiny: LoadedModel) -> None:
     records = [dataclasses.replace(r, answer="the cat sat on the mat") for r in word_prompts(3)]
-    run = calibrate(tiny, 0.3, data=records, samples=3, reference_tokens=10, candidates=(0,))
+    run = calibrate(tiny, 0.3, data=records, samples=3, reference_tokens=10, candidates=(0,), search=None)
     # "the cat sat on the mat" is 6 words, scored in full (no EOS is appended), in every sample.
     assert run.truncation.tokens == 3 * 6
-    shorter = calibrate(tiny, 0.3, data=records, samples=3, reference_tokens=4, candidates=(0,))
+    shorter = calibrate(tiny, 0.3, data=records, samples=3, reference_tokens=4, candidates=(0,), search=None)
     assert shorter.truncation.tokens == 3 * 4
 
 
@@ -236,7 +238,9 @@ def test_empty_and_malformed_data(out_dir: Path, tmp_path: Path, tiny: LoadedMod
 
 def test_prompts_shorter_than_the_protected_tokens(out_dir: Path, tiny: LoadedModel) -> None:
     records = [*word_prompts(2), Record(prompt="hi", where="short.jsonl line 3")]
-    fails_without_file(out_dir, "sample 3 (short.jsonl line 3) is", tiny, 0.3, data=records, samples=3)
+    fails_without_file(out_dir, "sample 3 (short.jsonl line 3) is", tiny, 0.3, data=records, samples=3, search=None)
+    # With the search the prompts are split into two halves first; the message still names the line.
+    fails_without_file(out_dir, "(short.jsonl line 3) is", tiny, 0.3, data=records, samples=3)
 
 
 def test_unwritable_out_fails_before_the_model_runs(tmp_path: Path) -> None:
@@ -349,10 +353,22 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     info = profile.calibration
     assert profile.budget == budget and profile.model.name == "smollm2"
     assert compressed_ratios(profile).mean() == pytest.approx(budget, abs=1e-9)
-    assert info.samples == 10 and info.seed == 0 and set(info.truncation_ppl) == set(DEFAULT_CANDIDATES)
-    assert profile.method.truncation_distance == min(info.truncation_ppl, key=info.truncation_ppl.get)
-    assert info.dataset_hash == dataset_hash(select_samples(load_jsonl(), 10, seed=0))
+    assert info.samples == 10 and info.seed == 0
+    # The recipe search ran: half the prompts chose, the other half confirmed; the profile's recipe
+    # is the lowest-PPL one tried, and it beat the papers' recipe on the held-out half too.
+    assert info.chosen_on == info.confirmed_on == 5 and info.recipes
+    best = min(info.recipes, key=lambda t: t.ppl)
+    method = profile.method
+    assert (best.eviction, best.scorer, best.heads, best.recent_share, best.merge) == (
+        method.eviction, method.scorer, method.heads, method.recent_share, method.merge
+    )
+    assert info.ppl_compressed == best.ppl and best.held_out_ppl < info.recipes[0].held_out_ppl
+    assert info.recipes[0].stage == "start" and info.recipes[0].eviction == "fixed-point"
+    drawn = select_by_kind(load_jsonl(), 10, seed=0)
+    assert info.dataset_hash == dataset_hash(sum(split_by_kind(drawn), ()))
     assert all(len(layer.priority_curve) > 2 for layer in profile.layers)
+    if method.scorer != "attention-sum":
+        assert all(len(layer.scorer_curve) == len(layer.priority_curve) for layer in profile.layers)
     assert compressed_ratios(load_profile(path, budget=0.35)).mean() == pytest.approx(0.35, abs=1e-12)
 
 
@@ -414,3 +430,27 @@ def test_ablation_script_rebuilds_the_removed_variants(tiny: LoadedModel, result
     assert plain["ratios"] != mean["ratios"] and np.mean(plain["ratios"]) == pytest.approx(0.3, abs=2e-3)
     assert uniform["ratios"] == [0.3] * 3
     assert mean["ppl_full"] == plain["ppl_full"] == uniform["ppl_full"]  # the same references
+
+
+# --------------------------------------------------------------------------- the recipe search
+
+
+def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedModel) -> None:
+    from kvtool.calibrate.recipes import recipe_key
+
+    records = [dataclasses.replace(r, kind=("a", "b")[i % 2]) for i, r in enumerate(word_prompts(8))]
+    run = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0, 8))
+    info, chosen = run.profile.calibration, run.recipes
+    assert info.chosen_on == info.confirmed_on == 2 and chosen.chosen_on == 2
+    first, second = split_by_kind(select_by_kind(records, 4, 1))
+    assert run.samples == first + second and {r.kind for r in first} == {r.kind for r in second} == {"a", "b"}
+    # The profile's recipe is the search's choice, the lowest PPL of every recipe tried.
+    assert recipe_key(run.profile.method) == recipe_key(chosen.search.chosen)
+    assert info.ppl_compressed == min(t.ppl for t in info.recipes)
+    assert len(info.recipes) == len({(t.eviction, t.scorer, t.heads, t.recent_share, t.merge, t.truncation_distance if t.eviction == "fixed-point" else None) for t in info.recipes})
+    # Held-out figures exist for the finalists only, the papers' start recipe among them.
+    held = [t for t in info.recipes if t.held_out_ppl is not None]
+    assert info.recipes[0].stage == "start" and info.recipes[0].held_out_ppl is not None and 2 <= len(held) <= 3
+    # Same inputs, same search.
+    again = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0, 8))
+    assert again.profile.calibration.recipes == info.recipes and again.profile.method == run.profile.method

@@ -55,8 +55,30 @@ def test_calibrate_writes_a_profile_and_summarises(
     assert code == 0, stderr
     profile = read_profile(out)
     assert profile.budget == 0.3 and profile.calibration.samples == 3 and profile.calibration.seed == 4
-    for heading in ("Per-layer KV budget", "Truncation distance D", "Retention p", "Calibration PPL", "Time"):
+    for heading in ("Per-layer KV budget", "Recipe search", "Recipe ", "Held out", "Retention p", "Calibration PPL", "Time"):
         assert heading in stdout
+    # One table row per recipe tried, exactly one marked chosen; the start is the papers' recipe.
+    tried = profile.calibration.recipes
+    assert len(re.findall(r"[0-9]\.[0-9]{3} \*", stdout)) == 1
+    assert tried[0].stage == "start" and re.search(r"│ start\s+│ fixed-point D25 · attention-sum", stdout)
+    assert "importance" in stderr and "recipes" in stderr and "held-out" in stderr  # the progress bars
+    # `kvtool inspect profile` shows the same table from the file.
+    code, shown, stderr = run(monkeypatch, capsys, "inspect", "profile", str(out))
+    assert code == 0, stderr
+    assert "Recipe search" in shown and f"{len(tried)} recipes tried on" in shown
+
+
+def test_papers_recipe_tunes_only_d_and_merge(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    out = tmp_path / "tmp.yaml"
+    code, stdout, stderr = run(
+        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "3",
+        "--data", str(data_file), "--out", str(out), "--seed", "4", "--papers",
+    )
+    assert code == 0, stderr
+    method = read_profile(out).method
+    assert (method.scorer, method.heads, method.eviction, method.recent_share) == ("attention-sum", "shared", "fixed-point", 0.0)
     for distance in (0, 8, 16, 25, 48, 96):
         assert re.search(rf"│\s+{distance}( \*)?\s+│\s+[0-9.]+\s+│", stdout), f"no PPL row for D={distance}"
     assert len(re.findall(r"│\s+\d+ \*\s+│", stdout)) == 1  # exactly one chosen D

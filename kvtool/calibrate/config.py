@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MERGE_MODES, MethodSettings
@@ -81,5 +81,8 @@ class CalibrateConfig:
             reference_tokens=self.reference_tokens,
             batch_size=self.batch_size,
             merge_modes=merge_modes,
-            search=None if self.search is None else self.search.checked(),
+            # One list of D candidates and merge modes: the search's are the config's.
+            search=None if self.search is None else replace(
+                self.search, distances=candidates or self.search.distances, merge_modes=merge_modes
+            ).checked(),
         )

@@ -106,11 +106,15 @@ def scorer_stats(cache: Any, scorer: str, method: MethodSettings) -> ImportanceS
     runtime protects them; attention-sum column sums are divided by the rows that see each column
     (see `statistics.compressible`), window scores are not (every scored column sees all window rows)."""
     rule = make_scorer(scorer, window=method.window, pool=method.pool)
+    scores = recorded_importance(cache, scorer, method)
+    recent = rule.protected_recent(method.recent_window)
+    if recent > method.recent_window:
+        # A prompt barely longer than the observation window still gets a curve: its last tokens
+        # (inside the window) enter it rather than leave nothing to rank.
+        shortest = int(min(layer.valid.sum(axis=1).min() for layer in scores.values()))
+        recent = max(method.recent_window, min(recent, shortest - method.sink_tokens - 1))
     return batch_stats(
-        recorded_importance(cache, scorer, method),
-        sink_tokens=method.sink_tokens,
-        recent_window=rule.protected_recent(method.recent_window),
-        per_row_mean=scorer == "attention-sum",
+        scores, sink_tokens=method.sink_tokens, recent_window=recent, per_row_mean=scorer == "attention-sum"
     )
 
 

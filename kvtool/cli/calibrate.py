@@ -130,7 +130,7 @@ def calibrate_command(
         method=MethodSettings() if merge == "auto" else MethodSettings(merge=merge),
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
-        search=(SearchSpace() if merge == "auto" else SearchSpace(merge_modes=(merge,))) if search else None,
+        search=SearchSpace() if search else None,  # its D candidates and merge modes are the config's
     )
     with StageBars(Console(stderr=True)) as bars:
         result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)

@@ -185,17 +185,20 @@ def recipe_table(profile) -> Table:
         caption=f"teacher-forced PPL on {info.chosen_on} calibration prompts; held out: {info.confirmed_on or 0} others",
         title_justify="left",
     )
-    for name, justify in (("stage", "left"), ("generation", "left"), ("scorer", "left"), ("heads", "left"),
-                          ("recent", "right"), ("merge", "left"), ("D", "right"), ("PPL", "right"), ("held out", "right")):
-        table.add_column(name, justify=justify)
+    table.add_column("stage", no_wrap=True)
+    table.add_column("recipe: generation rule · scorer · heads · recent share · merge", overflow="fold")
+    # The numbers are the point of the table: narrow terminals wrap the recipe, never these.
+    table.add_column("PPL", justify="right", no_wrap=True)
+    table.add_column("held out", justify="right", no_wrap=True)
     method = profile.method
     for t in info.recipes:
         chosen = (t.eviction, t.scorer, t.heads, t.recent_share, t.merge) == (
             method.eviction, method.scorer, method.heads, method.recent_share, method.merge
         ) and (t.eviction != "fixed-point" or t.truncation_distance == method.truncation_distance)
+        rule = f"{t.eviction} D{t.truncation_distance}" if t.eviction == "fixed-point" else t.eviction
         table.add_row(
-            t.stage, t.eviction, t.scorer, t.heads, f"{t.recent_share:.0%}", t.merge,
-            str(t.truncation_distance) if t.eviction == "fixed-point" else "-",
+            t.stage.replace("generation rule", "rule").replace("recent share", "recent"),
+            f"{rule} · {t.scorer} · {t.heads} · {t.recent_share:.0%} · {t.merge}",
             f"{t.ppl:.3f}{' *' if chosen else ''}", "" if t.held_out_ppl is None else f"{t.held_out_ppl:.3f}",
             style="bold green" if chosen else None,
         )
