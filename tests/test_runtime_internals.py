@@ -57,7 +57,7 @@ def test_chunked_importance_equals_eager_column_sums(llama, lengths, path, monke
 
         monkeypatch.setattr(importance, name, counted)
 
-    spy("_block_rows", lambda n_heads, m: m)
+    spy("_block_rows", lambda n_heads, m, *probe: m)
     spy("_chunk_rows", lambda chunk_elements, row_elements: width)
     seqs = prompts(lengths)
     inputs = left_pad(seqs)

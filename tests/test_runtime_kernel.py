@@ -97,3 +97,35 @@ def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatc
         assert layer.kept.tolist() == layer.tokens.tolist() == [len(s) + 7 for s in seqs]
     assert torch.equal(full.sequences, kept_all.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(full.scores, kept_all.scores)) < 1e-10
+
+
+def test_block_size_is_measured_once_per_shape_and_can_be_fixed(monkeypatch):
+    """Long prompts time every candidate block size on their own last rows and keep the fastest;
+    an explicit size (module constant or KVTOOL_BLOCK_ELEMENTS) skips the measurement."""
+    from kvtool.runtime import importance
+
+    monkeypatch.setattr(importance, "_TUNED", {})
+    monkeypatch.setattr(importance, "BLOCK_ELEMENTS", None)
+    monkeypatch.delenv("KVTOOL_BLOCK_ELEMENTS", raising=False)
+    torch.manual_seed(0)
+    m = importance.TUNE_MIN_KEYS + 10
+    probe = (torch.randn(6, m, 8), torch.randn(2, m, 8), torch.randn(2, m, 8))
+    assert importance._block_rows(6, 100, probe) == importance._rows_for(importance.DEFAULT_BLOCK_ELEMENTS, 6, 100)
+    assert importance.block_tuning() == []  # short prompts are not worth a measurement
+    rows = importance._block_rows(6, m, probe)
+    [tuning] = importance.block_tuning()
+    assert tuning.keys == m and tuning.chosen == min(tuning.seconds, key=tuning.seconds.get)
+    assert rows == importance._rows_for(tuning.chosen, 6, m) and tuning.spread >= 1.0
+    # Distinct row counts only, each from a candidate.
+    timed = [importance._rows_for(e, 6, m) for e in tuning.seconds]
+    assert len(set(timed)) == len(timed) and set(tuning.seconds) <= set(importance.BLOCK_CANDIDATES)
+    importance._block_rows(6, m + 5, probe)  # same shape class: measured already
+    assert len(importance.block_tuning()) == 1
+    monkeypatch.setenv("KVTOOL_BLOCK_ELEMENTS", str(2**20))
+    assert importance._block_rows(6, 4 * m, probe) == importance._rows_for(2**20, 6, 4 * m)
+    assert len(importance.block_tuning()) == 1
+    # Whatever the block size, the attention output is the same and the column sums agree to rounding.
+    q, k, v = (t.double() for t in probe)
+    outs = [importance._causal_blocks(q, k, v, 0.3, rows=rows) for rows in (16, 100, 256)]
+    for out, total, _, _ in outs[1:]:
+        assert torch.allclose(out, outs[0][0], atol=1e-12) and torch.allclose(total, outs[0][1], atol=1e-12)

@@ -25,6 +25,7 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile
 from kvtool.runtime import attach
 from kvtool.runtime.attach import layer_plans
+from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
 from kvtool.runtime.selection import kept_count
@@ -103,6 +104,9 @@ class BenchResult:
     device: str
     dtype: str
     peak_memory_method: str
+    # The CPU prompt kernel's block size, measured on this machine before the timed runs (None on
+    # other devices, with a fixed size, or for short prompts).
+    prompt_blocks: BlockTuning | None = None
 
     @property
     def decode_speedup(self) -> float:
@@ -227,6 +231,14 @@ def run_bench(
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)
 
+    blocks = None
+    if ids.device.type == "cpu":
+        shape = model.config.get_text_config()
+        head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+        blocks = tune_blocks(
+            shape.num_attention_heads, shape.num_key_value_heads, head_dim, config.prompt_tokens,
+            next(model.parameters()).dtype,
+        )
     runs: dict[str, list[RunResult]] = {name: [] for name in CACHES}
     warmup_ids = ids[:, : min(WARMUP_PROMPT_TOKENS, config.prompt_tokens)]
     with torch.inference_mode():
@@ -249,4 +261,5 @@ def run_bench(
         device=str(ids.device),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         peak_memory_method=peak_memory_method(ids.device),
+        prompt_blocks=blocks,
     )

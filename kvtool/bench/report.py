@@ -47,6 +47,11 @@ def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[st
         "decode_speedup_ceiling": result.decode_speedup_ceiling,
         "prefill_ratio": result.prefill_ratio,
         "kv_fraction": result.kv_fraction,
+        "prompt_blocks": None if result.prompt_blocks is None else {
+            "chosen_elements": result.prompt_blocks.chosen,
+            "seconds": {str(k): v for k, v in result.prompt_blocks.seconds.items()},
+            "spread": result.prompt_blocks.spread,
+        },
     }
 
 
@@ -92,5 +97,16 @@ def render(console: Console, result: BenchResult, *, model: str, source: str, pr
         f"(ceiling {result.decode_speedup_ceiling:.2f}x: kvtool reaches {share:.0%} of it)"
     )
     console.print(f"prompt phase: kvtool takes {result.prefill_ratio:.2f}x the full cache's time")
+    blocks = result.prompt_blocks
+    if blocks is not None:
+        timed = ", ".join(f"2^{k.bit_length() - 1} {v * 1e3:.0f} ms" for k, v in blocks.seconds.items())
+        console.print(
+            Text(
+                f"prompt kernel block: 2^{blocks.chosen.bit_length() - 1} score elements, the fastest on this machine "
+                f"({timed}; slowest/fastest {blocks.spread:.2f}x)",
+                style="dim",
+            ),
+            soft_wrap=True,
+        )
     console.print(f"KV cache: kvtool holds {result.kv_fraction:.1%} of the full cache's bytes")
     console.print(Text(f"peak memory: {result.peak_memory_method}", style="dim"), soft_wrap=True)

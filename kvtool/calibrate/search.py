@@ -74,7 +74,7 @@ def choose_recipe(
     held_out: dict[tuple, float] = {}
     held_out_full = None
     if confirming:
-        finalists = search.finalists(2)
+        finalists = search.finalists()
         confirm = _Counter(STAGE_CONFIRM, len(finalists) * reference_steps(confirming), progress).start()
         for settings in finalists:
             held_out[recipe_key(settings)] = recipe_ppl(model, profile_for(settings), confirming, confirm.step)

@@ -6,6 +6,8 @@ normal sdpa kernel that produced the layer's output.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -173,20 +175,109 @@ def _blocked_attention(query, keys, values, mask, scaling, request):
     return out.transpose(1, 2).contiguous(), PromptScores(importance, heads, window)
 
 
-# Score elements per row block: 2**22 float32 = 16 MiB, small enough to stay in cache between the
-# softmax, the output GEMM and the column sum (measured fastest on a 2-core CPU at 4096 tokens).
-# Read when a call starts, like CHUNK_ELEMENTS.
-BLOCK_ELEMENTS = 2**22
+# Score elements per row block. The best size depends on the CPU's caches and cores (2**22 float32,
+# 16 MiB, was fastest on one 2-core machine at 4096 tokens and another machine of the same kind
+# measured a 1.56x slower prompt phase), so it is measured: the first long prompt of each shape
+# times every candidate on its own last rows and keeps the fastest (`block_tuning()` tells what
+# was measured). An int here (or KVTOOL_BLOCK_ELEMENTS) fixes the size instead. Read when a call
+# starts, like CHUNK_ELEMENTS. The block size changes only the order of the column sums' additions.
+BLOCK_ELEMENTS: int | None = None
+DEFAULT_BLOCK_ELEMENTS = 2**22
+BLOCK_CANDIDATES = (2**20, 2**21, 2**22, 2**23, 2**24)
+# Shorter prompts take the default: their whole attention is a few blocks and tuning would cost more
+# than it saves. The probe times this many of the last (widest) rows per candidate, twice.
+TUNE_MIN_KEYS = 1024
+TUNE_PROBE_ROWS = 512
 
 
-def _block_rows(n_heads: int, m: int) -> int:
-    """Query rows per block of the CPU path, for `n_heads` query heads over `m` keys."""
-    return max(16, min(256, BLOCK_ELEMENTS // max(1, n_heads * m)))
+@dataclass(frozen=True)
+class BlockTuning:
+    """What tuning measured for one prompt shape: seconds per candidate and the choice."""
+
+    n_heads: int
+    keys: int  # the prompt length it was measured at
+    seconds: dict[int, float]  # block elements -> best of two probe runs
+    chosen: int
+
+    @property
+    def spread(self) -> float:
+        """Slowest over fastest candidate: what a fixed size could cost on this machine."""
+        return max(self.seconds.values()) / min(self.seconds.values())
 
 
-def _causal_blocks(query, keys, values, scaling, request=NO_EXTRAS):
+_TUNED: dict[tuple, BlockTuning] = {}
+
+
+def block_tuning() -> list[BlockTuning]:
+    """Every block-size measurement this process made, in the order made."""
+    return list(_TUNED.values())
+
+
+def tune_blocks(n_heads: int, n_kv_heads: int, head_dim: int, m: int, dtype: torch.dtype = torch.float32) -> BlockTuning | None:
+    """Measure the block size for prompts of `m` tokens now, on random tensors of that shape (the
+    cost is data-independent), so a benchmark's timed runs do not pay for it. None when the size is
+    fixed or the prompt too short to tune."""
+    if _fixed_block_elements() is not None or m < TUNE_MIN_KEYS:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    probe = tuple(torch.randn(h, m, head_dim, generator=generator, dtype=dtype) for h in (n_heads, n_kv_heads, n_kv_heads))
+    _block_rows(n_heads, m, probe)
+    return block_tuning()[-1] if block_tuning() else None
+
+
+def _fixed_block_elements() -> int | None:
+    fixed = BLOCK_ELEMENTS if BLOCK_ELEMENTS is not None else os.environ.get("KVTOOL_BLOCK_ELEMENTS")
+    return None if fixed is None else int(fixed)
+
+
+def _tune(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m: int) -> BlockTuning:
+    n_heads = query.shape[0]
+    first = max(0, m - TUNE_PROBE_ROWS)
+    seconds = {}
+    timed_rows = set()
+    for elements in BLOCK_CANDIDATES:
+        rows = _rows_for(elements, n_heads, m)
+        if rows in timed_rows:  # the row clamp makes some candidates the same block
+            continue
+        timed_rows.add(rows)
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            _causal_blocks(query, keys, values, 1.0, NO_EXTRAS, rows=rows, first_row=first)
+            best = min(best, time.perf_counter() - started)
+        seconds[elements] = best
+    chosen = min(seconds, key=seconds.get)
+    return BlockTuning(n_heads=n_heads, keys=m, seconds=seconds, chosen=chosen)
+
+
+def _rows_for(elements: int, n_heads: int, m: int) -> int:
+    return max(16, min(256, elements // max(1, n_heads * m)))
+
+
+def _block_rows(n_heads: int, m: int, probe: tuple | None = None) -> int:
+    """Query rows per block of the CPU path for `n_heads` query heads over `m` keys: the fixed size,
+    else the size tuned on `probe` (the sequence's query, keys, values) for long prompts, else the
+    default."""
+    fixed = _fixed_block_elements()
+    if fixed is not None:
+        return _rows_for(fixed, n_heads, m)
+    if probe is None or m < TUNE_MIN_KEYS:
+        return _rows_for(DEFAULT_BLOCK_ELEMENTS, n_heads, m)
+    query, keys, _ = probe
+    # One measurement per head count, width class (power of two) and thread count.
+    key = (n_heads, keys.shape[0], query.shape[-1], query.dtype, 1 << (m - 1).bit_length(), torch.get_num_threads())
+    tuned = _TUNED.get(key)
+    if tuned is None:
+        tuned = _TUNED[key] = _tune(*probe, m)
+    return _rows_for(tuned.chosen, n_heads, m)
+
+
+def _causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int | None = None, first_row: int = 0):
     """Causal attention of one unpadded sequence: [Hq, m, Dv] output, [m] importance, and the
-    [Hkv, m] per-head column sums and window sums when `request` asks for them (else None)."""
+    [Hkv, m] per-head column sums and window sums when `request` asks for them (else None).
+
+    `rows` per block (default: the tuned size); `first_row` skips the blocks before it, which only
+    block-size tuning does (its timing of the widest rows; the results are then partial)."""
     n_heads, m, head_dim = query.shape
     n_kv_heads = keys.shape[0]
     groups = n_heads // n_kv_heads
@@ -197,9 +288,10 @@ def _causal_blocks(query, keys, values, scaling, request=NO_EXTRAS):
     heads = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.heads else None
     window = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.window else None
     first_window_row = m - min(request.window, m)
-    rows = _block_rows(n_heads, m)
+    if rows is None:
+        rows = _block_rows(n_heads, m, (query, keys, values))
     future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
-    for r0 in range(0, m, rows):
+    for r0 in range(first_row, m, rows):
         r1 = min(m, r0 + rows)
         c = r1 - r0
         q_block = q[:, :, r0:r1].reshape(n_kv_heads, groups * c, head_dim)
