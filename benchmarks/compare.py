@@ -1,0 +1,162 @@
+"""Side-by-side quality tables from `kvtool eval --json` files and `peer_kvpress.py --json` files.
+
+Every row saw the same prompts and the same references (pass kvtool eval's JSON to peer_kvpress.py
+with `--references`), so the per-prompt differences tell a real gap from prompt-to-prompt noise.
+Prints Markdown: one table of every method and press (PPL, ROUGE-L, retrieval accuracy, KV kept,
+whether it compresses the prompt only), one per kind, and the paired differences of one method
+against every other (mean ± one standard error over prompts, and on how many prompts it is ahead).
+
+    .venv/bin/python benchmarks/compare.py docs/eval-smollm2-b0.2.json --peer docs/kvpress-smollm2-b0.2.json \\
+        --budget 0.2 --against kvtool
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# kvtool methods that let the cache grow while generating (kvpress says so per press).
+PROMPT_ONLY_METHODS = {"snapkv", "kvtool-prompt-only"}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    tool: str  # "kvtool" or "kvpress"
+    prompt_only: bool
+    ppl: float
+    rouge: list[float]
+    accuracy: list[float | None]
+    kv_fraction: float
+    kinds: dict[str, dict]
+
+
+def sem(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def load(paths: list[Path], peers: list[Path], budget: float) -> tuple[list[Row], dict, list[str | None]]:
+    rows: list[Row] = []
+    full: dict = {}
+    kinds: list[str | None] = []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        full = full or {
+            "ppl": doc["full_ppl"], "accuracy": doc.get("full_accuracy"), "kinds": doc.get("full_kinds", {}),
+        }
+        kinds = kinds or doc.get("kinds_per_prompt") or []
+        for r in doc["results"]:
+            if math.isclose(r["budget"], budget):
+                rows.append(Row(
+                    r["method"], "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
+                    r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}),
+                ))
+    for path in peers:
+        doc = json.loads(path.read_text())
+        for r in doc["results"]:
+            if math.isclose(r["budget"], budget) and r["method"] != "none":
+                rows.append(Row(
+                    f"kvpress {r['method']}", "kvpress", r["prompt_only"], r["ppl"], r["rouge_l_per_prompt"],
+                    r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}),
+                ))
+    if not rows:
+        sys.exit(f"error: no results at budget {budget:g}")
+    lengths = {len(r.rouge) for r in rows}
+    if len(lengths) != 1:
+        sys.exit(f"error: the files scored different numbers of prompts {sorted(lengths)}: not the same evaluation")
+    return rows, full, kinds
+
+
+def mean_accuracy(row: Row, keep: list[bool] | None = None) -> float | None:
+    values = [a for i, a in enumerate(row.accuracy) if a is not None and (keep is None or keep[i])]
+    return sum(values) / len(values) if values else None
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def main_table(rows: list[Row], full: dict) -> str:
+    lines = [
+        f"| method | compresses | PPL | ROUGE-L | retrieval accuracy | KV kept |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| full cache | - | {fmt(full['ppl'])} | 1 | {fmt(full['accuracy'])} | 100% |",
+    ]
+    for r in rows:
+        rouge = [v for v in r.rouge if not math.isnan(v)]
+        lines.append(
+            f"| {r.name} | {'prompt only' if r.prompt_only else 'prompt + generation (budget held)'} | "
+            f"{fmt(r.ppl)} | {statistics.fmean(rouge):.3f} ± {sem(rouge):.3f} | {fmt(mean_accuracy(r))} | "
+            f"{r.kv_fraction:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def kind_table(rows: list[Row], full: dict, kinds: list[str | None]) -> str:
+    names = sorted({k for k in kinds if k is not None}, key=lambda k: kinds.index(k))
+    head = "| method | " + " | ".join(f"{k} PPL / ROUGE-L" for k in names) + " | retrieval acc. |"
+    lines = [head, "| --- |" + " --- |" * (len(names) + 1)]
+    full_cells = [fmt(full["kinds"].get(k, {}).get("ppl")) + " / 1" for k in names]
+    lines.append("| full cache | " + " | ".join(full_cells) + f" | {fmt(full['accuracy'])} |")
+    for r in rows:
+        cells = []
+        for k in names:
+            members = [v for v, kind in zip(r.rouge, kinds) if kind == k and not math.isnan(v)]
+            cells.append(f"{fmt(r.kinds.get(k, {}).get('ppl'))} / {statistics.fmean(members):.3f}")
+        lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {fmt(mean_accuracy(r))} |")
+    return "\n".join(lines)
+
+
+def paired(rows: list[Row], against: str, kinds: list[str | None]) -> str:
+    base = next((r for r in rows if r.name == against), None)
+    if base is None:
+        sys.exit(f"error: no method {against!r} at this budget")
+    lines = [
+        f"| {against} minus | ROUGE-L (all) | ahead on | " + " | ".join(
+            f"ROUGE-L {k}" for k in sorted({k for k in kinds if k}, key=kinds.index)
+        ) + " | retrieval accuracy |",
+    ]
+    names = sorted({k for k in kinds if k}, key=kinds.index)
+    lines.append("| --- | --- | --- |" + " --- |" * (len(names) + 1))
+    for r in rows:
+        if r is base:
+            continue
+        pairs = [(a, b) for a, b in zip(base.rouge, r.rouge) if not (math.isnan(a) or math.isnan(b))]
+        diffs = [a - b for a, b in pairs]
+        ahead = sum(d > 0 for d in diffs)
+        behind = sum(d < 0 for d in diffs)
+        cells = []
+        for k in names:
+            d = [a - b for a, b, kind in zip(base.rouge, r.rouge, kinds) if kind == k and not (math.isnan(a) or math.isnan(b))]
+            cells.append(f"{statistics.fmean(d):+.3f} ± {sem(d):.3f}")
+        acc = [a - b for a, b in zip(base.accuracy, r.accuracy) if a is not None and b is not None]
+        acc_cell = f"{statistics.fmean(acc):+.3f} ± {sem(acc):.3f}" if acc else "-"
+        lines.append(
+            f"| {r.name} | {statistics.fmean(diffs):+.3f} ± {sem(diffs):.3f} | {ahead} / {behind} | "
+            + " | ".join(cells) + f" | {acc_cell} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("evals", type=Path, nargs="+", help="kvtool eval --json files")
+    parser.add_argument("--peer", type=Path, action="append", default=[], help="peer_kvpress.py --json files")
+    parser.add_argument("--budget", type=float, required=True)
+    parser.add_argument("--against", default="kvtool", help="the method the paired differences start from")
+    args = parser.parse_args(argv)
+    rows, full, kinds = load(args.evals, args.peer, args.budget)
+    print(f"Budget {args.budget:g}, {len(rows[0].rouge)} prompts.\n")
+    print(main_table(rows, full) + "\n")
+    if kinds:
+        print(kind_table(rows, full, kinds) + "\n")
+        print(paired(rows, args.against, kinds))
+
+
+if __name__ == "__main__":
+    main()

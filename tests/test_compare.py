@@ -1,0 +1,77 @@
+"""benchmarks/compare.py: kvtool eval and kvpress results side by side, paired per prompt."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["compare"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["compare"]
+    return module
+
+
+def write(path: Path, doc: dict) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def kvtool_doc() -> dict:
+    kinds = ["chat", "chat", "retrieval", "retrieval"]
+    return {
+        "full_ppl": 1.5, "full_accuracy": 1.0, "full_kinds": {"chat": {"ppl": 1.4}, "retrieval": {"ppl": 1.6}},
+        "kinds_per_prompt": kinds,
+        "results": [
+            {"method": "kvtool", "budget": 0.2, "ppl": 1.7, "rouge_l_per_prompt": [0.9, 0.7, 0.5, 0.3],
+             "accuracy_per_prompt": [None, None, 1.0, 0.5], "kv_fraction": 0.2,
+             "kinds": {"chat": {"ppl": 1.6}, "retrieval": {"ppl": 1.8}}},
+            {"method": "h2o", "budget": 0.2, "ppl": 2.0, "rouge_l_per_prompt": [0.8, 0.7, 0.2, 0.4],
+             "accuracy_per_prompt": [None, None, 0.0, 0.5], "kv_fraction": 0.2, "kinds": {}},
+            {"method": "h2o", "budget": 0.5, "ppl": 1.6, "rouge_l_per_prompt": [1, 1, 1, 1],
+             "accuracy_per_prompt": [None, None, 1.0, 1.0], "kv_fraction": 0.5, "kinds": {}},
+        ],
+    }
+
+
+def test_tables_pair_every_row_with_the_chosen_method(compare, tmp_path, capsys):
+    evals = write(tmp_path / "e.json", kvtool_doc())
+    peer = write(tmp_path / "p.json", {"results": [
+        {"method": "tova", "budget": 0.2, "prompt_only": True, "ppl": 1.9, "rouge_l_per_prompt": [0.9, 0.9, 0.1, 0.1],
+         "accuracy_per_prompt": [None, None, 0.0, 0.0], "kv_fraction": 0.3, "kinds": {}},
+        {"method": "none", "budget": 0.2, "prompt_only": True, "ppl": 1.5, "rouge_l_per_prompt": [1, 1, 1, 1],
+         "accuracy_per_prompt": [None, None, 1.0, 1.0], "kv_fraction": 1.0, "kinds": {}},
+    ]})
+    compare.main([str(evals), "--peer", str(peer), "--budget", "0.2", "--against", "kvtool"])
+    out = capsys.readouterr().out
+    assert "| kvpress tova | prompt only | 1.900 |" in out
+    assert "| kvtool | prompt + generation (budget held) | 1.700 | 0.600 ± 0.129 | 0.750 | 20.0% |" in out
+    assert "kvpress none" not in out and "1.600" not in out.split("| kvtool |")[0]  # other budget left out
+    # kvtool minus h2o: diffs 0.1, 0, 0.3, -0.1 -> mean 0.075; ahead on 2, behind on 1.
+    assert "| h2o | +0.075 ± 0.085 | 2 / 1 |" in out
+    # Per kind: chat diffs 0.1, 0 -> +0.050; retrieval accuracy diffs 1.0, 0 -> +0.500.
+    assert "+0.050 ± 0.050" in out and "+0.500 ± 0.500" in out
+
+
+def test_mismatched_files_are_refused(compare, tmp_path):
+    doc = kvtool_doc()
+    peer = write(tmp_path / "p.json", {"results": [
+        {"method": "tova", "budget": 0.2, "prompt_only": True, "ppl": 1.9, "rouge_l_per_prompt": [0.9],
+         "accuracy_per_prompt": [None], "kv_fraction": 0.3, "kinds": {}},
+    ]})
+    with pytest.raises(SystemExit, match="different numbers of prompts"):
+        compare.main([str(write(tmp_path / "e.json", doc)), "--peer", str(peer), "--budget", "0.2"])
+    with pytest.raises(SystemExit, match="no results at budget 0.3"):
+        compare.main([str(tmp_path / "e.json"), "--budget", "0.3"])
