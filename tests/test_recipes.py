@@ -228,3 +228,16 @@ def test_rebudget_solves_on_the_scorers_curves_and_prefixkv_on_attention_sums(tm
     prefixkv = method_profile("prefixkv", model, profile.budget, profile)
     assert [l.ratio for l in prefixkv.layers] == pytest.approx(list(solve_ratios(importance, profile.budget).ratios))
     assert method_profile("kvtool", model, profile.budget, profile) == profile
+
+
+def test_exact_answers_become_the_calibration_reference():
+    from kvtool.calibrate.runner import exact_answers
+
+    records = (
+        Record(prompt="find them", answers=("123", "456"), kind="retrieval"),
+        Record(prompt="say it", answer="given", answers=("x",)),
+        Record(prompt="chat"),
+    )
+    out = exact_answers(records)
+    assert [r.answer for r in out] == ["123, 456", "given", None]
+    assert [r.prompt for r in out] == [r.prompt for r in records]

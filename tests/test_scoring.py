@@ -103,3 +103,24 @@ def test_stepping_stops_when_every_row_is_done(model, batch) -> None:
     # The longest answer's last token is fed too (a row is seen to be done one step later), then
     # nothing more: 2 forwards, not LENGTH - 1.
     assert len(steps) == 2
+
+
+def test_prompt_mean_nll_weighs_every_prompt_the_same():
+    import math
+
+    import torch
+
+    from kvtool.scoring import NllTotal, PromptMeanNll
+
+    # Prompt 0: four tokens of NLL 1; prompt 1: one token of NLL 3 (a short exact answer).
+    nll = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    scored = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    per_prompt, pooled = PromptMeanNll(), NllTotal()
+    per_prompt.add(nll, scored)
+    pooled.add(nll, scored)
+    assert per_prompt.ppl() == pytest.approx(math.exp(2.0)) and per_prompt.count == 5
+    assert pooled.ppl() == pytest.approx(math.exp(7 / 5))
+    # A row with nothing scored adds no prompt.
+    per_prompt.add(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.bool))
+    assert per_prompt.ppl() == pytest.approx(math.exp(2.0)) and len(per_prompt.means) == 2
+    assert math.isnan(PromptMeanNll().ppl())

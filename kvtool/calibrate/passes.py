@@ -23,7 +23,7 @@ from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.scoring import make_scorer
-from kvtool.scoring import Batch, NllTotal, References, prompt_forward, reference_continuations, teacher_forced_nll
+from kvtool.scoring import Batch, PromptMeanNll, References, prompt_forward, reference_continuations, teacher_forced_nll
 
 # Stage names reported to `progress(stage, done, total)`.
 STAGE_IMPORTANCE = "importance"
@@ -231,8 +231,9 @@ STAGE_CONFIRM = "held-out"
 
 def recipe_ppl(model: Any, profile: Profile, states: Sequence[PromptState], on_step: Callable[[int], None] | None = None) -> float:
     """Calibration PPL of `profile`'s recipe: each batch's recorded prompt compressed with its plans,
-    then its references teacher-forced through that cache, pooled over every scored token."""
-    total = NllTotal()
+    then its references teacher-forced through that cache; exp of the mean over prompts of each
+    prompt's mean NLL (`PromptMeanNll`: every prompt counts the same)."""
+    total = PromptMeanNll()
     handle = attach(model, profile)
     try:
         with torch.inference_mode():
@@ -245,9 +246,10 @@ def recipe_ppl(model: Any, profile: Profile, states: Sequence[PromptState], on_s
     return total.ppl()
 
 
-def full_ppl(states: Sequence[PromptState]) -> NllTotal:
-    """The full cache's NLL on the same references (measured while they were generated)."""
-    total = NllTotal()
+def full_ppl(states: Sequence[PromptState]) -> PromptMeanNll:
+    """The full cache's NLL on the same references (measured while they were generated), in the
+    recipe search's measure."""
+    total = PromptMeanNll()
     for state in states:
         total.add(state.references.nll_full, state.references.scored)
     return total

@@ -50,6 +50,15 @@ class CalibrationResult:
     recipes: ChosenRecipe | None = None
 
 
+def exact_answers(records: Sequence[Record]) -> tuple[Record, ...]:
+    """Records whose exact `answers` (retrieval needles) become their reference, joined as a list:
+    the recipe search then measures whether those facts survive compression, not how well the
+    model's wording around them does (records with an `answer`, or none, stay as they are)."""
+    return tuple(
+        replace(r, answer=", ".join(r.answers)) if r.answers and r.answer is None else r for r in records
+    )
+
+
 def calibrate(
     model: Any,
     budget: float,
@@ -78,6 +87,8 @@ def calibrate(
     # The recipe is chosen on one half and confirmed on the other; one prompt cannot be split.
     choosing, confirming = split_by_kind(chosen) if space and len(chosen) > 1 else (chosen, ())
     chosen = choosing + confirming
+    if space is not None:
+        choosing, confirming = exact_answers(choosing), exact_answers(confirming)
     report = progress or no_progress
 
     loaded = as_loaded(model, "calibrate")

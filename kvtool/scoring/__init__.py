@@ -6,6 +6,7 @@ from kvtool.scoring.batches import Batch, encode_batches, left_pad, make_batches
 from kvtool.scoring.encoding import Encoded, encode_answers, encode_prompt, encode_samples
 from kvtool.scoring.engine import (
     NllTotal,
+    PromptMeanNll,
     References,
     StepHook,
     prompt_forward,
@@ -18,6 +19,7 @@ __all__ = [
     "Batch",
     "Encoded",
     "NllTotal",
+    "PromptMeanNll",
     "References",
     "StepHook",
     "encode_answers",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,6 +122,29 @@ class NllTotal:
 
     def ppl(self) -> float:
         return math.exp(self.total / self.count) if self.count else float("nan")
+
+
+@dataclass
+class PromptMeanNll:
+    """Each prompt's mean NLL over its scored tokens, collected over batches.
+
+    `ppl()` = exp(mean over prompts): every prompt counts the same, however long its reference, so a
+    retrieval prompt whose reference is a short exact answer weighs as much as a 64-token chat
+    continuation (pooled over tokens, the long references outvote it)."""
+
+    means: list[float] = field(default_factory=list)
+    count: int = 0  # scored tokens, all prompts
+
+    def add(self, nll: torch.Tensor, scored: torch.Tensor) -> None:
+        tokens = scored.sum(dim=1)
+        sums = (nll * scored).sum(dim=1)
+        for total, n in zip(sums.tolist(), tokens.tolist()):
+            if n:
+                self.means.append(total / n)
+        self.count += int(tokens.sum())
+
+    def ppl(self) -> float:
+        return math.exp(sum(self.means) / len(self.means)) if self.means else float("nan")
 
 
 def reference_continuations(
