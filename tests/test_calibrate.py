@@ -359,16 +359,18 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     assert info.chosen_on == info.confirmed_on == 5 and info.recipes
     best = min(info.recipes, key=lambda t: t.ppl)
     method = profile.method
-    assert (best.eviction, best.scorer, best.heads, best.recent_share, best.merge) == (
-        method.eviction, method.scorer, method.heads, method.recent_share, method.merge
+    assert (best.eviction, best.scorer, best.ratios, best.heads, best.recent_share, best.merge) == (
+        method.eviction, method.scorer, method.ratios, method.heads, method.recent_share, method.merge
     )
     assert info.ppl_compressed == best.ppl and best.held_out_ppl < info.recipes[0].held_out_ppl
     assert info.recipes[0].stage == "start" and info.recipes[0].eviction == "fixed-point"
     drawn = select_by_kind(load_jsonl(), 10, seed=0)
     assert info.dataset_hash == dataset_hash(sum(split_by_kind(drawn), ()))
     assert all(len(layer.priority_curve) > 2 for layer in profile.layers)
-    if method.scorer != "attention-sum":
+    if method.scorer != "attention-sum" and method.ratios == "scorer":
         assert all(len(layer.scorer_curve) == len(layer.priority_curve) for layer in profile.layers)
+    if method.ratios == "uniform":
+        assert set(compressed_ratios(profile)) == {budget}
     assert compressed_ratios(load_profile(path, budget=0.35)).mean() == pytest.approx(0.35, abs=1e-12)
 
 
@@ -447,7 +449,7 @@ def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedMo
     # The profile's recipe is the search's choice, the lowest PPL of every recipe tried.
     assert recipe_key(run.profile.method) == recipe_key(chosen.search.chosen)
     assert info.ppl_compressed == min(t.ppl for t in info.recipes)
-    assert len(info.recipes) == len({(t.eviction, t.scorer, t.heads, t.recent_share, t.merge, t.truncation_distance if t.eviction == "fixed-point" else None) for t in info.recipes})
+    assert len(info.recipes) == len({(t.eviction, t.scorer, t.ratios, t.heads, t.recent_share, t.merge, t.truncation_distance if t.eviction == "fixed-point" else None) for t in info.recipes})
     # Held-out figures exist for the finalists only, the papers' start recipe among them.
     held = [t for t in info.recipes if t.held_out_ppl is not None]
     assert info.recipes[0].stage == "start" and info.recipes[0].held_out_ppl is not None and 2 <= len(held) <= 4

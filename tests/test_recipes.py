@@ -34,6 +34,7 @@ def separable(seed: int, distance_costs: bool = False):
     costs = {
         "eviction": {v: rng.random() for v in SPACE.evictions},
         "scorer": {v: rng.random() for v in SPACE.scorers},
+        "ratios": {v: rng.random() for v in SPACE.ratio_sources},
         "heads": {v: rng.random() for v in SPACE.heads},
         "recent_share": {v: rng.random() for v in SPACE.recent_shares},
         "merge": {v: rng.random() for v in SPACE.merge_modes},
@@ -57,7 +58,7 @@ def test_search_finds_the_brute_force_best_of_a_separable_measure(seed):
     best = brute_force(START, SPACE, measure)
     assert measure(search.chosen) == pytest.approx(measure(best))
     # Each recipe measured once, and far fewer than the product (about 180 recipes).
-    assert len({recipe_key(s) for s in calls}) == len(calls) < 35
+    assert len({recipe_key(s) for s in calls}) == len(calls) < 40
     assert search.trials[0].stage == FIRST_STAGE and search.trials[0].settings == START
 
 
@@ -158,8 +159,10 @@ def test_draw_spreads_over_kinds_and_the_split_shares_every_kind():
 
 def test_the_search_space_default_covers_every_held_rule():
     assert set(SPACE.evictions) == {"fixed-point", "heavy-hitter", "tova"}
-    product = list(itertools.product(SPACE.evictions, SPACE.scorers, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes))
-    assert len(product) == 72  # times the D values of the fixed-point queue
+    product = list(itertools.product(
+        SPACE.evictions, SPACE.scorers, SPACE.ratio_sources, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes
+    ))
+    assert len(product) == 216  # times the D values of the fixed-point queue
 
 
 # ----- what a searched profile records ------------------------------------------------------------
@@ -241,3 +244,21 @@ def test_exact_answers_become_the_calibration_reference():
     out = exact_answers(records)
     assert [r.answer for r in out] == ["123, 456", "given", None]
     assert [r.prompt for r in out] == [r.prompt for r in records]
+
+
+def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
+    from kvtool.profiles.budget import rebudget
+    from kvtool.runtime import method_profile
+    from tests.tiny_models import tiny_llama
+
+    profile = _searched_profile(tmp_path)
+    flat = dataclasses.replace(
+        profile, method=dataclasses.replace(profile.method, ratios="uniform"),
+        layers=tuple(dataclasses.replace(l, ratio=0.2, scorer_curve=None) for l in profile.layers), budget=0.2,
+    )
+    again, _ = rebudget(flat, 0.35)
+    assert [l.ratio for l in again.layers] == [0.35] * 3 and again.method.ratios == "uniform"
+    # prefixkv still solves on the attention-sum curves the profile stores.
+    papers = method_profile("prefixkv", tiny_llama(), 0.2, flat)
+    assert len({round(l.ratio, 6) for l in papers.layers}) > 1 and papers.method.ratios == "scorer"
+    assert method_profile("h2o", tiny_llama(), 0.2, flat).method.ratios == "uniform"

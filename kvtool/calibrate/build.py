@@ -40,6 +40,16 @@ def allocate(stats: ImportanceStats, budget: float) -> Allocated:
     return Allocated(allocation=allocation, spread=spread, per_sample=per_sample)
 
 
+def uniform(allocated: Allocated, budget: float) -> Allocated:
+    """The budget in every compressing layer (no spread): the `uniform` ratio source."""
+    ratios = np.full_like(allocated.allocation.ratios, budget)
+    return Allocated(
+        allocation=dataclasses.replace(allocated.allocation, ratios=ratios),
+        spread=np.zeros_like(allocated.spread),
+        per_sample=np.full_like(allocated.per_sample, budget),
+    )
+
+
 def build_profile(
     fingerprint: Any,
     budget: float,
@@ -129,7 +139,7 @@ def with_calibration(
                 RecipeTrial(
                     stage=t.stage, scorer=t.settings.scorer, heads=t.settings.heads, eviction=t.settings.eviction,
                     recent_share=t.settings.recent_share, merge=t.settings.merge,
-                    truncation_distance=t.settings.truncation_distance, ppl=t.ppl,
+                    truncation_distance=t.settings.truncation_distance, ppl=t.ppl, ratios=t.settings.ratios,
                     held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
                 )
                 for t in recipes.search.trials

@@ -1,7 +1,9 @@
 """The recipe search: which rules keep the answers at this budget, chosen by calibration PPL.
 
 A recipe is what calibration varies in a profile's method settings: the generation rule
-(eviction), the scorer, shared or per-head entries, the recent share, the merge mode and D. The
+(eviction), the scorer, where the per-layer ratios come from (the scorer's Lorenz curves,
+attention-sum curves, or the same ratio everywhere), shared or per-head entries, the recent share,
+the merge mode and D. The
 full product is hundreds of recipes; the search is one round of coordinate descent instead: from
 the papers' recipe, each step tries every value of one rule with the others at the best so far and
 keeps the lowest PPL (ties keep the current value), in the order the rules matter most (the
@@ -16,12 +18,13 @@ search testable against a brute-force search of the same space.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import EVICTION_RULES, MERGE_MODES, MethodSettings
-from kvtool.profiles.schema import HEAD_MODES, SCORERS
+from kvtool.profiles.schema import HEAD_MODES, RATIO_SOURCES, SCORERS
 
 # Every generation rule that holds the budget; "prompt-only" lets the cache grow, so it is a mode
 # users ask for by name, never a calibration result for a budget that must hold.
@@ -34,6 +37,7 @@ class SearchSpace:
 
     evictions: tuple[str, ...] = HELD_EVICTIONS
     scorers: tuple[str, ...] = SCORERS
+    ratio_sources: tuple[str, ...] = RATIO_SOURCES
     heads: tuple[str, ...] = HEAD_MODES
     recent_shares: tuple[float, ...] = (0.0, 0.25, 0.5)
     merge_modes: tuple[str, ...] = ("none", "position")
@@ -44,6 +48,7 @@ class SearchSpace:
         checks = (
             ("generation rule", self.evictions, EVICTION_RULES),
             ("scorer", self.scorers, SCORERS),
+            ("ratio source", self.ratio_sources, RATIO_SOURCES),
             ("head mode", self.heads, HEAD_MODES),
             ("merge mode", self.merge_modes, MERGE_MODES),
         )
@@ -61,6 +66,7 @@ class SearchSpace:
         return SearchSpace(
             evictions=unique(self.evictions),
             scorers=unique(self.scorers),
+            ratio_sources=unique(self.ratio_sources),
             heads=unique(self.heads),
             recent_shares=unique(float(s) for s in self.recent_shares),
             merge_modes=unique(self.merge_modes),
@@ -72,6 +78,7 @@ class SearchSpace:
 STAGES = (
     ("generation rule", "eviction", "evictions"),
     ("scorer", "scorer", "scorers"),
+    ("ratios", "ratios", "ratio_sources"),
     ("heads", "heads", "heads"),
     ("recent share", "recent_share", "recent_shares"),
     ("merge", "merge", "merge_modes"),
@@ -83,15 +90,15 @@ FIRST_STAGE = "start"
 def recipe_key(settings: MethodSettings) -> tuple:
     """What tells two recipes apart: D only matters to the fixed-point queue."""
     distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
-    return (settings.eviction, settings.scorer, settings.heads, settings.recent_share, settings.merge, distance)
+    return (settings.eviction, settings.scorer, settings.ratios, settings.heads, settings.recent_share, settings.merge, distance)
 
 
 def describe(settings: MethodSettings) -> str:
-    """A recipe in one short line: `tova · window · per-head · recent 25% · merge none`."""
+    """A recipe in one short line: `tova · window · ratios uniform · per-head · recent 25% · merge none`."""
     parts = [settings.eviction]
     if settings.eviction == "fixed-point":
         parts[0] += f" D{settings.truncation_distance}"
-    parts += [settings.scorer, settings.heads, f"recent {settings.recent_share:.0%}", f"merge {settings.merge}"]
+    parts += [settings.scorer, f"ratios {settings.ratios}", settings.heads, f"recent {settings.recent_share:.0%}", f"merge {settings.merge}"]
     return " · ".join(parts)
 
 
@@ -163,16 +170,13 @@ def brute_force(start: MethodSettings, space: SearchSpace, measure: Callable[[Me
     best, best_ppl = start, float(measure(start))
     for eviction in space.evictions:
         distances = space.distances if eviction == "fixed-point" else (start.truncation_distance,)
-        for scorer in space.scorers:
-            for heads in space.heads:
-                for share in space.recent_shares:
-                    for merge in space.merge_modes:
-                        for distance in distances:
-                            settings = dataclasses.replace(
-                                start, eviction=eviction, scorer=scorer, heads=heads,
-                                recent_share=share, merge=merge, truncation_distance=distance,
-                            )
-                            ppl = float(measure(settings))
-                            if ppl < best_ppl:
-                                best, best_ppl = settings, ppl
+        for scorer, ratios in itertools.product(space.scorers, space.ratio_sources):
+            for heads, share, merge, distance in itertools.product(space.heads, space.recent_shares, space.merge_modes, distances):
+                settings = dataclasses.replace(
+                    start, eviction=eviction, scorer=scorer, ratios=ratios, heads=heads,
+                    recent_share=share, merge=merge, truncation_distance=distance,
+                )
+                ppl = float(measure(settings))
+                if ppl < best_ppl:
+                    best, best_ppl = settings, ppl
     return best

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import check_budget
-from kvtool.calibrate.build import allocate, build_profile, with_calibration, with_method
+from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
 from kvtool.calibrate.config import CalibrateConfig
 from kvtool.calibrate.passes import Progress, full_pass, no_progress, search_truncation_and_merge
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
@@ -109,16 +109,19 @@ def calibrate(
     )
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
-    allocated = {name: allocate(measured.stats_by_scorer[name], budget) for name in dict.fromkeys(scorers)}
+    allocated = {name: allocate(measured.stats_by_scorer[name], budget) for name in dict.fromkeys(("attention-sum", *scorers))}
 
     def profile_for(settings: MethodSettings) -> Profile:
-        """The profile of `settings` with the ratios of its scorer's curves."""
-        ratios = allocated[settings.scorer]
+        """The profile of `settings` with the ratios its `ratios` source gives."""
+        own_curves = settings.ratios == "scorer" and settings.scorer != "attention-sum"
+        ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else (
+            allocated[settings.scorer] if own_curves else allocated["attention-sum"]
+        )
         kept = dict(zip(importance.layers, ratios.allocation.ratios))
-        scorer_stats = None if settings.scorer == "attention-sum" else measured.stats_by_scorer[settings.scorer]
         return build_profile(
             fingerprint, budget, settings, importance, ratios,
-            kept_image_share(measured.images, kept, settings), scorer_stats=scorer_stats,
+            kept_image_share(measured.images, kept, settings),
+            scorer_stats=measured.stats_by_scorer[settings.scorer] if own_curves else None,
         )
 
     truncation, merge_ppl, recipes = None, {}, None
@@ -139,8 +142,9 @@ def calibrate(
     else:
         profile = profile_for(method)
     seconds = time.perf_counter() - started
-    chosen_stats = measured.stats_by_scorer[profile.method.scorer]
-    allocation = allocated[profile.method.scorer].allocation
+    source = profile.method.scorer if profile.method.ratios == "scorer" else "attention-sum"
+    chosen_stats = measured.stats_by_scorer[source]
+    allocation = allocated[source].allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
     if dest is not None:
         save_profile(profile, dest)
@@ -148,7 +152,7 @@ def calibrate(
         profile=profile,
         stats=chosen_stats,
         allocation=allocation,
-        per_sample_ratios=allocated[profile.method.scorer].per_sample,
+        per_sample_ratios=allocated[source].per_sample,
         truncation=truncation,
         samples=chosen,
         seconds=seconds,

@@ -57,6 +57,8 @@ def rebudget(
     """
     new_budget = check_budget(budget)
     compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
+    if profile.method.ratios == "uniform" and not importance_curves:
+        return _uniform(profile, new_budget, compress)
     use_scorer = not importance_curves and any(profile.layers[i].scorer_curve for i in compress)
     curve_of = (lambda layer: layer.scorer_curve) if use_scorer else (lambda layer: layer.priority_curve)
     missing = [i for i in compress if not curve_of(profile.layers[i])]
@@ -89,3 +91,20 @@ def rebudget(
         )
     updated = dataclasses.replace(profile, budget=new_budget, layers=tuple(layers), calibration=calibration)
     return updated, allocation
+
+
+def _uniform(profile: Profile, budget: float, compress: list[int]) -> tuple[Profile, Allocation]:
+    """A profile whose recipe takes the same ratio in every layer, at another budget."""
+    if not compress:
+        raise KvtoolError("profile: no layer is compressed, so there is nothing to re-budget")
+    layers = list(profile.layers)
+    for i in compress:
+        layers[i] = dataclasses.replace(layers[i], ratio=budget, ratio_std=None, image_share=None)
+    calibration = profile.calibration
+    if calibration is not None:
+        calibration = dataclasses.replace(
+            calibration, retention_p=None, truncation_ppl={}, ppl_compressed=None,
+            recipes=None, held_out_ppl_full=None, chosen_on=None, confirmed_on=None,
+        )
+    allocation = Allocation(p=float("nan"), ratios=np.full(len(compress), budget), iterations=0)
+    return dataclasses.replace(profile, budget=budget, layers=tuple(layers), calibration=calibration), allocation

@@ -23,6 +23,9 @@ EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter", "tova", "prompt-only
 # What a prompt token is worth (kvtool.runtime.scoring) and whether KV heads choose their own entries.
 SCORERS = ("attention-sum", "window")
 HEAD_MODES = ("shared", "per-head")
+# Where the per-layer ratios come from: the Lorenz curves of the profile's scorer, PrefixKV's
+# attention-sum curves whatever the scorer, or the budget in every layer.
+RATIO_SOURCES = ("scorer", "attention-sum", "uniform")
 
 # Field constraints several fields share.
 _KEPT_FRACTION = rule(low=0, high=1, open_low=True)
@@ -78,6 +81,7 @@ class MethodSettings:
     # Share of each layer's kept prompt entries reserved for the most recent tokens (beside
     # `recent_window`, whichever keeps more).
     recent_share: float = field(default=0.0, metadata=rule(low=0, high=1))
+    ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ class RecipeTrial:
     merge: str = field(metadata=rule(choices=MERGE_MODES))
     truncation_distance: int = field(metadata=_NON_NEGATIVE)
     ppl: float = field(metadata=rule(low=0, open_low=True))  # on the prompts that choose
+    ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
     # On the held-out calibration prompts, for the recipes confirmed there; left out otherwise.
     held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
 

@@ -125,7 +125,11 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
                 return profile
             return dataclasses.replace(profile, method=dataclasses.replace(profile.method, eviction=method.eviction))
         # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
-        own = calibrated.method.scorer == "attention-sum" and budget == calibrated.budget
+        base_method = calibrated.method
+        own = (
+            budget == calibrated.budget and base_method.ratios != "uniform"
+            and (base_method.scorer == "attention-sum" or base_method.ratios == "attention-sum")
+        )
         profile = calibrated if own else rebudget(calibrated, budget, source=name, importance_curves=True)[0]
     else:
         profile = uniform_profile(model, budget)
@@ -134,5 +138,6 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     settings = dataclasses.replace(
         base, selection=method.selection, merge=merge, eviction=method.eviction,
         scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads, recent_share=0.0,
+        ratios="scorer" if method.per_layer else "uniform",
     )
     return dataclasses.replace(profile, method=settings)
