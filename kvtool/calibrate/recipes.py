@@ -134,7 +134,7 @@ class RecipeSearch:
 Measure = Callable[[str, MethodSettings], float]
 
 
-def search_recipe(start: MethodSettings, space: SearchSpace, measure: Measure, rounds: int = 3) -> RecipeSearch:
+def search_recipe(start: MethodSettings, space: SearchSpace, measure: Measure, rounds: int = 2) -> RecipeSearch:
     """Coordinate descent over `space` from `start`; `measure(stage, settings)` gives a recipe's PPL.
 
     A round walks every stage once; the next round starts only if the last one moved (a rule chosen
