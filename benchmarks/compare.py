@@ -52,6 +52,8 @@ def load(paths: list[Path], peers: list[Path], budget: float) -> tuple[list[Row]
         kinds = kinds or doc.get("kinds_per_prompt") or []
         for r in doc["results"]:
             if math.isclose(r["budget"], budget):
+                # A later file's row for the same method replaces an earlier one (a re-run).
+                rows = [row for row in rows if row.name != r["method"]]
                 rows.append(Row(
                     r["method"], "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}),
@@ -145,7 +147,7 @@ def paired(rows: list[Row], against: str, kinds: list[str | None]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("evals", type=Path, nargs="+", help="kvtool eval --json files")
+    parser.add_argument("evals", type=Path, nargs="+", help="kvtool eval --json files (a later file's method replaces the same method of an earlier one)")
     parser.add_argument("--peer", type=Path, action="append", default=[], help="peer_kvpress.py --json files")
     parser.add_argument("--budget", type=float, required=True)
     parser.add_argument("--against", default="kvtool", help="the method the paired differences start from")
