@@ -46,8 +46,8 @@ class CalibrateConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     merge_modes: Sequence[str] = DEFAULT_MERGE_MODES
     # The recipe search (kvtool.calibrate.recipes); None keeps `method`'s rules and searches only
-    # D x `merge_modes` (the papers' recipe). With a search, `candidates` and `merge_modes` are not
-    # used: the space names its own.
+    # D x `merge_modes` (the papers' recipe). A search takes its D values and merge modes from
+    # `candidates` and `merge_modes`; empty `candidates` skips every search.
     search: SearchSpace | None = SearchSpace()
 
     def checked(self) -> "CalibrateConfig":
