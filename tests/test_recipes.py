@@ -172,7 +172,7 @@ def _searched_profile(tmp_path):
 
     from kvtool.profiles import CalibrationInfo, PromptStats, RecipeTrial
     from kvtool.profiles.lorenz import priority_curve
-    from tests.tiny_models import profile_with, tiny_llama
+    from tiny_models import profile_with, tiny_llama
 
     rng = np.random.default_rng(0)
     base = profile_with(tiny_llama(), [0.3, 0.5, 0.2], scorer="window", eviction="tova", heads="per-head", recent_share=0.25)
@@ -215,7 +215,7 @@ def test_rebudget_solves_on_the_scorers_curves_and_prefixkv_on_attention_sums(tm
 
     from kvtool.profiles.budget import rebudget, solve_ratios
     from kvtool.runtime import method_profile
-    from tests.tiny_models import tiny_llama
+    from tiny_models import tiny_llama
 
     profile = _searched_profile(tmp_path)
     scorer = np.array([layer.scorer_curve for layer in profile.layers])
@@ -249,7 +249,7 @@ def test_exact_answers_become_the_calibration_reference():
 def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
     from kvtool.profiles.budget import rebudget
     from kvtool.runtime import method_profile
-    from tests.tiny_models import tiny_llama
+    from tiny_models import tiny_llama
 
     profile = _searched_profile(tmp_path)
     flat = dataclasses.replace(
