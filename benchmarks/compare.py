@@ -63,7 +63,7 @@ def load(paths: list[Path], peers: list[Path], budget: float) -> tuple[list[Row]
         for r in doc["results"]:
             if math.isclose(r["budget"], budget) and r["method"] != "none":
                 rows.append(Row(
-                    f"kvpress {r['method']}", "kvpress", r["prompt_only"], r["ppl"], r["rouge_l_per_prompt"],
+                    r["method"] if r["method"].startswith("kvpress") else f"kvpress {r['method']}", "kvpress", r["prompt_only"], r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}),
                 ))
     if not rows:
