@@ -83,12 +83,7 @@ def rebudget(
         layers[i] = dataclasses.replace(layers[i], ratio=float(ratio), ratio_std=None, image_share=None)
         if importance_curves:
             layers[i] = dataclasses.replace(layers[i], scorer_curve=None)
-    calibration = profile.calibration
-    if calibration is not None:
-        calibration = dataclasses.replace(
-            calibration, retention_p=stored_p(allocation.p), truncation_ppl={}, ppl_compressed=None,
-            recipes=None, held_out_ppl_full=None, chosen_on=None, confirmed_on=None,
-        )
+    calibration = _at_new_budget(profile.calibration, stored_p(allocation.p))
     updated = dataclasses.replace(profile, budget=new_budget, layers=tuple(layers), calibration=calibration)
     return updated, allocation
 
@@ -100,11 +95,17 @@ def _uniform(profile: Profile, budget: float, compress: list[int]) -> tuple[Prof
     layers = list(profile.layers)
     for i in compress:
         layers[i] = dataclasses.replace(layers[i], ratio=budget, ratio_std=None, image_share=None)
-    calibration = profile.calibration
-    if calibration is not None:
-        calibration = dataclasses.replace(
-            calibration, retention_p=None, truncation_ppl={}, ppl_compressed=None,
-            recipes=None, held_out_ppl_full=None, chosen_on=None, confirmed_on=None,
-        )
+    calibration = _at_new_budget(profile.calibration, None)
     allocation = Allocation(p=float("nan"), ratios=np.full(len(compress), budget), iterations=0)
     return dataclasses.replace(profile, budget=budget, layers=tuple(layers), calibration=calibration), allocation
+
+
+def _at_new_budget(calibration, retention_p):
+    """The calibration record with what was measured at the old budget dropped (PPLs, the recipe
+    table) and the new retention level."""
+    if calibration is None:
+        return None
+    return dataclasses.replace(
+        calibration, retention_p=retention_p, truncation_ppl={}, ppl_compressed=None,
+        recipes=None, held_out_ppl_full=None, chosen_on=None, confirmed_on=None,
+    )
