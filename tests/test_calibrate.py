@@ -19,7 +19,7 @@ from kvtool.calibrate.runner import calibrate, check_writable
 from kvtool.data import Record, dataset_hash, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.errors import KvtoolError
 from kvtool.models import LoadedModel, prepare_tokenizer
-from kvtool.profiles import profile_to_dict, read_profile, save_profile
+from kvtool.profiles import MethodSettings, profile_to_dict, read_profile, save_profile
 from kvtool.runtime import attach, load_profile, uniform_profile
 from tiny_models import tiny_gemma3, tiny_llama
 
@@ -438,7 +438,7 @@ def test_ablation_script_rebuilds_the_removed_variants(tiny: LoadedModel, result
 
 
 def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedModel) -> None:
-    from kvtool.calibrate.recipes import recipe_key
+    from kvtool.calibrate.recipes import SearchSpace, recipe_key
 
     records = [dataclasses.replace(r, kind=("a", "b")[i % 2]) for i, r in enumerate(word_prompts(8))]
     run = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0, 8))
@@ -449,10 +449,29 @@ def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedMo
     # The profile's recipe is the search's choice, the lowest PPL of every recipe tried.
     assert recipe_key(run.profile.method) == recipe_key(chosen.search.chosen)
     assert info.ppl_compressed == min(t.ppl for t in info.recipes)
-    assert len(info.recipes) == len({(t.eviction, t.scorer, t.ratios, t.heads, t.recent_share, t.merge, t.truncation_distance if t.eviction == "fixed-point" else None) for t in info.recipes})
+    assert len(info.recipes) == len({(t.eviction, t.scorer, t.pool, t.ratios, t.heads, t.recent_share, t.merge, t.truncation_distance if t.eviction == "fixed-point" else None) for t in info.recipes})
+    # The window scorer was tried at every pool width of the space; only its trials record one.
+    assert {t.pool for t in info.recipes if t.scorer == "window"} >= set(SearchSpace().pools)
+    assert all(t.pool is None for t in info.recipes if t.scorer != "window")
     # Held-out figures exist for the finalists only, the papers' start recipe among them.
     held = [t for t in info.recipes if t.held_out_ppl is not None]
     assert info.recipes[0].stage == "start" and info.recipes[0].held_out_ppl is not None and 2 <= len(held) <= 4
     # Same inputs, same search.
     again = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0, 8))
     assert again.profile.calibration.recipes == info.recipes and again.profile.method == run.profile.method
+
+
+def test_window_curves_are_recorded_per_pool_width(tiny: LoadedModel) -> None:
+    """Ratios from the window scorer's curves come from the pool width the recipe uses."""
+    from kvtool.calibrate.passes import full_pass, scorer_key
+    from kvtool.scoring import encode_batches
+
+    records = word_prompts(3)
+    method = MethodSettings(scorer="window", window=4)
+    batches, answers = encode_batches(tiny, records, max_tokens=512, method=method, batch_size=3)
+    variants = [dataclasses.replace(method, pool=p) for p in (1, 7)]
+    measured = full_pass(tiny.model, tiny.tokenizer, batches, answers, method, reference_tokens=2,
+                         with_references=False, scorers=variants)
+    one, seven = (measured.stats_by_scorer[scorer_key(v)] for v in variants)
+    assert scorer_key(variants[0]) != scorer_key(variants[1])
+    assert one.curves.shape == seven.curves.shape and not np.allclose(one.curves, seven.curves)

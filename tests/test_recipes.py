@@ -34,6 +34,7 @@ def separable(seed: int, distance_costs: bool = False):
     costs = {
         "eviction": {v: rng.random() for v in SPACE.evictions},
         "scorer": {v: rng.random() for v in SPACE.scorers},
+        "pool": {v: rng.random() for v in SPACE.pools},
         "ratios": {v: rng.random() for v in SPACE.ratio_sources},
         "heads": {v: rng.random() for v in SPACE.heads},
         "recent_share": {v: rng.random() for v in SPACE.recent_shares},
@@ -42,7 +43,9 @@ def separable(seed: int, distance_costs: bool = False):
     }
 
     def measure(settings: MethodSettings) -> float:
-        total = 1.0 + sum(costs[attr][getattr(settings, attr)] for attr in costs if attr != "truncation_distance")
+        total = 1.0 + sum(costs[attr][getattr(settings, attr)] for attr in costs if attr not in ("truncation_distance", "pool"))
+        if settings.scorer == "window":
+            total += costs["pool"][settings.pool]
         if settings.eviction == "fixed-point":
             total += costs["truncation_distance"][settings.truncation_distance]
         return total
@@ -126,6 +129,8 @@ def test_finalists_are_the_chosen_the_runners_up_and_the_start():
         (SearchSpace(scorers=()), "at least one scorer"),
         (SearchSpace(recent_shares=(1.5,)), "recent shares must be fractions"),
         (SearchSpace(distances=(-1,)), "truncation distances must be integers >= 0"),
+        (SearchSpace(pools=(8,)), "pool widths must be odd integers >= 1"),
+        (SearchSpace(pools=()), "pool widths must be odd integers >= 1"),
         (SearchSpace(merge_modes=("blend",)), "unknown merge mode 'blend'"),
     ],
 )
@@ -262,3 +267,27 @@ def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
     papers = method_profile("prefixkv", tiny_llama(), 0.2, flat)
     assert len({round(l.ratio, 6) for l in papers.layers}) > 1 and papers.method.ratios == "scorer"
     assert method_profile("h2o", tiny_llama(), 0.2, flat).method.ratios == "uniform"
+
+
+def test_the_scorer_stage_tries_the_window_scorer_once_per_pool_width():
+    from kvtool.calibrate.recipes import stage_options
+
+    options = stage_options("scorer", START, SearchSpace(pools=(1, 7, 31)))
+    assert [(s.scorer, s.pool) for s in options] == [("attention-sum", START.pool), ("window", 1), ("window", 7), ("window", 31)]
+    # The pool tells window recipes apart and is ignored for the scorer that does not pool.
+    assert len({recipe_key(s) for s in options}) == 4
+    assert recipe_key(dataclasses.replace(START, pool=31)) == recipe_key(START)
+    assert "pool 31" in describe(options[-1]) and "pool" not in describe(START)
+
+
+def test_a_pool_width_only_the_window_scorer_rewards_is_found():
+    """A measure where pool 31 wins only under the window scorer: the search must reach it even
+    though the start's scorer ignores the pool."""
+
+    def measure(stage, settings):
+        if settings.scorer == "window":
+            return 1.0 if settings.pool == 31 else 3.0
+        return 2.0
+
+    search = search_recipe(START, SPACE, measure)
+    assert (search.chosen.scorer, search.chosen.pool) == ("window", 31)

@@ -140,6 +140,7 @@ def with_calibration(
                     stage=t.stage, scorer=t.settings.scorer, heads=t.settings.heads, eviction=t.settings.eviction,
                     recent_share=t.settings.recent_share, merge=t.settings.merge,
                     truncation_distance=t.settings.truncation_distance, ppl=t.ppl, ratios=t.settings.ratios,
+                    pool=t.settings.pool if t.settings.scorer == "window" else None,
                     held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
                 )
                 for t in recipes.search.trials

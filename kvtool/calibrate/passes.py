@@ -82,7 +82,8 @@ class FullPass:
     stats: ImportanceStats
     states: tuple[PromptState, ...]
     images: tuple[PromptImages, ...]
-    # The same statistics under every scorer calibration may choose (stats is `method.scorer`'s).
+    # The same statistics under every scorer calibration may choose, by `scorer_key` (stats is the
+    # first scorer's).
     stats_by_scorer: dict[str, ImportanceStats] = dataclasses.field(default_factory=dict)
 
 
@@ -99,6 +100,13 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
             importance=score.detach().cpu().double().numpy(), valid=valid.detach().cpu().numpy().astype(bool)
         )
     return out
+
+
+def scorer_key(settings: MethodSettings) -> str:
+    """Names a scorer with what changes its scores (the window scorer's window and pool)."""
+    if settings.scorer == "window":
+        return f"window {settings.window} pool {settings.pool}"
+    return settings.scorer
 
 
 def scorer_stats(cache: Any, scorer: str, method: MethodSettings) -> ImportanceStats:
@@ -128,12 +136,13 @@ def full_pass(
     reference_tokens: int,
     with_references: bool,
     progress: Progress = no_progress,
-    scorers: Sequence[str] = (),
+    scorers: Sequence[MethodSettings] = (),
 ) -> FullPass:
     """Importance of every prompt and, `with_references`, the references of every batch.
 
-    Statistics are made for each scorer in `scorers` (default: `method.scorer` alone)."""
-    scorers = tuple(dict.fromkeys(scorers or (method.scorer,)))
+    Statistics are made for the scorer of each settings in `scorers` (default: `method`'s alone),
+    keyed by `scorer_key`."""
+    scorers = tuple({scorer_key(s): s for s in (scorers or (method,))}.items())
     samples = sum(len(b.rows) for b in batches)
     importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
     steps = _Counter(STAGE_REFERENCES, len(batches) * (reference_tokens - 1), progress)
@@ -145,7 +154,7 @@ def full_pass(
             for batch, batch_answers in zip(batches, answers):
                 cache = handle.new_cache(record_importance=True)
                 first_logits = prompt_forward(model, batch, cache)
-                parts.append((batch.rows, {name: scorer_stats(cache, name, method) for name in scorers}))
+                parts.append((batch.rows, {key: scorer_stats(cache, s.scorer, _scored_by(method, s)) for key, s in scorers}))
                 if cache.image_mask is not None and bool(cache.image_mask.any()):
                     images.append(PromptImages.of(cache))
                 importance.step(len(batch.rows))
@@ -165,8 +174,13 @@ def full_pass(
         handle.detach()
     if with_references:
         steps.finish()
-    by_scorer = {name: combine([(rows, stats[name]) for rows, stats in parts], samples) for name in scorers}
-    return FullPass(stats=by_scorer[scorers[0]], states=tuple(states), images=tuple(images), stats_by_scorer=by_scorer)
+    by_scorer = {key: combine([(rows, stats[key]) for rows, stats in parts], samples) for key, _ in scorers}
+    return FullPass(stats=by_scorer[scorers[0][0]], states=tuple(states), images=tuple(images), stats_by_scorer=by_scorer)
+
+
+def _scored_by(method: MethodSettings, scorer: MethodSettings) -> MethodSettings:
+    """`method` (sinks, recent window) with `scorer`'s scorer, window and pool."""
+    return dataclasses.replace(method, scorer=scorer.scorer, window=scorer.window, pool=scorer.pool)
 
 
 def truncation_pass(

@@ -1,7 +1,9 @@
 """The recipe search: which rules keep the answers at this budget, chosen by calibration PPL.
 
 A recipe is what calibration varies in a profile's method settings: the generation rule
-(eviction), the scorer, where the per-layer ratios come from (the scorer's Lorenz curves,
+(eviction), the scorer (the window scorer with each max-pool width: pooling keeps the neighbours of a
+strongly attended token, so a fact that spans many tokens, a number written digit by digit, survives
+whole), where the per-layer ratios come from (the scorer's Lorenz curves,
 attention-sum curves, or the same ratio everywhere), shared or per-head entries, the recent share,
 the merge mode and D. The
 full product is hundreds of recipes; the search is one round of coordinate descent instead: from
@@ -39,6 +41,8 @@ class SearchSpace:
     scorers: tuple[str, ...] = SCORERS
     ratio_sources: tuple[str, ...] = RATIO_SOURCES
     heads: tuple[str, ...] = HEAD_MODES
+    # The window scorer's max-pool widths (odd). Tried inside the scorer stage, beside the scorers.
+    pools: tuple[int, ...] = (7, 15, 31)
     recent_shares: tuple[float, ...] = (0.0, 0.25, 0.5)
     merge_modes: tuple[str, ...] = ("none", "position")
     distances: tuple[int, ...] = (0, 8, 16, 25, 48, 96)
@@ -60,6 +64,8 @@ class SearchSpace:
                 raise KvtoolError(f"unknown {what} {unknown[0]!r} (known: {', '.join(known)})")
         if not self.recent_shares or any(not 0.0 <= float(s) <= 1.0 for s in self.recent_shares):
             raise KvtoolError(f"recent shares must be fractions in [0, 1], got {list(self.recent_shares)}")
+        if not self.pools or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 or p % 2 == 0 for p in self.pools):
+            raise KvtoolError(f"pool widths must be odd integers >= 1, got {list(self.pools)}")
         if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.distances):
             raise KvtoolError(f"truncation distances must be integers >= 0, got {list(self.distances)}")
         unique = lambda values: tuple(dict.fromkeys(values))  # noqa: E731
@@ -68,6 +74,7 @@ class SearchSpace:
             scorers=unique(self.scorers),
             ratio_sources=unique(self.ratio_sources),
             heads=unique(self.heads),
+            pools=unique(self.pools),
             recent_shares=unique(float(s) for s in self.recent_shares),
             merge_modes=unique(self.merge_modes),
             distances=unique(self.distances),
@@ -88,17 +95,33 @@ FIRST_STAGE = "start"
 
 
 def recipe_key(settings: MethodSettings) -> tuple:
-    """What tells two recipes apart: D only matters to the fixed-point queue."""
+    """What tells two recipes apart: D only matters to the fixed-point queue, the pool width only
+    to the window scorer."""
     distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
-    return (settings.eviction, settings.scorer, settings.ratios, settings.heads, settings.recent_share, settings.merge, distance)
+    pool = settings.pool if settings.scorer == "window" else None
+    return (settings.eviction, settings.scorer, pool, settings.ratios, settings.heads, settings.recent_share, settings.merge, distance)
+
+
+def stage_options(attr: str, current: MethodSettings, space: SearchSpace) -> list[MethodSettings]:
+    """The recipes one stage tries: `current` with each value of `attr` (the scorer stage tries the
+    window scorer once per pool width, so a pool is never judged under a scorer that ignores it)."""
+    values = getattr(space, next(v for _, a, v in STAGES if a == attr))
+    options = []
+    for value in values:
+        if attr == "scorer" and value == "window":
+            options += [dataclasses.replace(current, scorer=value, pool=pool) for pool in space.pools]
+        else:
+            options.append(dataclasses.replace(current, **{attr: value}))
+    return options
 
 
 def describe(settings: MethodSettings) -> str:
-    """A recipe in one short line: `tova · window · ratios uniform · per-head · recent 25% · merge none`."""
+    """A recipe in one short line: `tova · window (pool 7) · ratios uniform · per-head · recent 25% · merge none`."""
     parts = [settings.eviction]
     if settings.eviction == "fixed-point":
         parts[0] += f" D{settings.truncation_distance}"
-    parts += [settings.scorer, f"ratios {settings.ratios}", settings.heads, f"recent {settings.recent_share:.0%}", f"merge {settings.merge}"]
+    scorer = f"window (pool {settings.pool})" if settings.scorer == "window" else settings.scorer
+    parts += [scorer, f"ratios {settings.ratios}", settings.heads, f"recent {settings.recent_share:.0%}", f"merge {settings.merge}"]
     return " · ".join(parts)
 
 
@@ -151,11 +174,11 @@ def search_recipe(start: MethodSettings, space: SearchSpace, measure: Measure, r
     current = tried(FIRST_STAGE, start).settings
     for round_ in range(1, rounds + 1):
         before = recipe_key(current)
-        for stage, attr, values in STAGES:
+        for stage, attr, _ in STAGES:
             if attr == "truncation_distance" and current.eviction != "fixed-point":
                 continue
             label = stage if round_ == 1 else f"{stage} ({round_})"
-            options = [tried(label, dataclasses.replace(current, **{attr: v})) for v in getattr(space, values)]
+            options = [tried(label, settings) for settings in stage_options(attr, current, space)]
             incumbent = trials[recipe_key(current)]
             best = min(options, key=lambda t: t.ppl)
             if best.ppl < incumbent.ppl:
@@ -170,10 +193,11 @@ def brute_force(start: MethodSettings, space: SearchSpace, measure: Callable[[Me
     best, best_ppl = start, float(measure(start))
     for eviction in space.evictions:
         distances = space.distances if eviction == "fixed-point" else (start.truncation_distance,)
-        for scorer, ratios in itertools.product(space.scorers, space.ratio_sources):
+        scorers = [(s, p) for s in space.scorers for p in (space.pools if s == "window" else (start.pool,))]
+        for (scorer, pool), ratios in itertools.product(scorers, space.ratio_sources):
             for heads, share, merge, distance in itertools.product(space.heads, space.recent_shares, space.merge_modes, distances):
                 settings = dataclasses.replace(
-                    start, eviction=eviction, scorer=scorer, ratios=ratios, heads=heads,
+                    start, eviction=eviction, scorer=scorer, pool=pool, ratios=ratios, heads=heads,
                     recent_share=share, merge=merge, truncation_distance=distance,
                 )
                 ppl = float(measure(settings))

@@ -21,7 +21,8 @@ from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
 from kvtool.calibrate.config import CalibrateConfig
-from kvtool.calibrate.passes import Progress, full_pass, no_progress, search_truncation_and_merge
+from kvtool.calibrate.passes import Progress, full_pass, no_progress, scorer_key, search_truncation_and_merge
+from kvtool.calibrate.recipes import stage_options
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.calibrate.search import ChosenRecipe, choose_recipe
@@ -101,27 +102,31 @@ def calibrate(
             )
             batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
             answers += part_answers
-    scorers = (method.scorer, *(space.scorers if space else ()))
+    # Statistics under every scorer the search may choose (window: once per pool width), and
+    # always attention-sum's: PrefixKV's ratios and the profile's stored curves come from those.
+    scorers = (replace(method, scorer="attention-sum"), method, *(stage_options("scorer", method, space) if space else ()))
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
         reference_tokens=config.reference_tokens, with_references=bool(config.candidates), progress=report,
-        scorers=("attention-sum", *scorers),
+        scorers=scorers,
     )
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
-    allocated = {name: allocate(measured.stats_by_scorer[name], budget) for name in dict.fromkeys(("attention-sum", *scorers))}
+    allocated = {key: allocate(stats, budget) for key, stats in measured.stats_by_scorer.items()}
+
+    def curves_of(settings: MethodSettings) -> str:
+        """Whose Lorenz curves give `settings`' ratios (uniform ratios report attention-sum's)."""
+        return scorer_key(settings) if settings.ratios == "scorer" else "attention-sum"
 
     def profile_for(settings: MethodSettings) -> Profile:
         """The profile of `settings` with the ratios its `ratios` source gives."""
-        own_curves = settings.ratios == "scorer" and settings.scorer != "attention-sum"
-        ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else (
-            allocated[settings.scorer] if own_curves else allocated["attention-sum"]
-        )
+        source = curves_of(settings)
+        ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))
         return build_profile(
             fingerprint, budget, settings, importance, ratios,
             kept_image_share(measured.images, kept, settings),
-            scorer_stats=measured.stats_by_scorer[settings.scorer] if own_curves else None,
+            scorer_stats=measured.stats_by_scorer[source] if source != "attention-sum" else None,
         )
 
     truncation, merge_ppl, recipes = None, {}, None
@@ -142,7 +147,7 @@ def calibrate(
     else:
         profile = profile_for(method)
     seconds = time.perf_counter() - started
-    source = profile.method.scorer if profile.method.ratios == "scorer" else "attention-sum"
+    source = curves_of(profile.method)
     chosen_stats = measured.stats_by_scorer[source]
     allocation = allocated[source].allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
