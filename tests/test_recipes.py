@@ -22,7 +22,9 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
 
 START = MethodSettings(merge="position", truncation_distance=25)
-SPACE = SearchSpace()
+# H2O's selection has no recent share to vary, which makes no measure separable: the brute-force
+# comparisons keep one selection (the selection stage has its own tests below).
+SPACE = SearchSpace(selections=("importance",))
 
 
 def separable(seed: int, distance_costs: bool = False):
@@ -43,7 +45,8 @@ def separable(seed: int, distance_costs: bool = False):
     }
 
     def measure(settings: MethodSettings) -> float:
-        total = 1.0 + sum(costs[attr][getattr(settings, attr)] for attr in costs if attr not in ("truncation_distance", "pool"))
+        skip = ("truncation_distance", "pool")
+        total = 1.0 + sum(costs[attr][getattr(settings, attr)] for attr in costs if attr not in skip)
         if settings.scorer == "window":
             total += costs["pool"][settings.pool]
         if settings.eviction == "fixed-point":
@@ -131,6 +134,11 @@ def test_finalists_are_the_chosen_the_runners_up_and_the_start():
         (SearchSpace(distances=(-1,)), "truncation distances must be integers >= 0"),
         (SearchSpace(pools=(8,)), "pool widths must be odd integers >= 1"),
         (SearchSpace(pools=()), "pool widths must be odd integers >= 1"),
+        (SearchSpace(windows=(0,)), "observation windows must be integers >= 1"),
+        (SearchSpace(selections=("recent",)), "unknown selection 'recent'"),
+        (SearchSpace(seeds=("nope",)), "search seed: unknown method 'nope'"),
+        (SearchSpace(seeds=("snapkv",)), "search seed 'snapkv' does not hold the budget"),
+        (SearchSpace(seeds=("kvtool",)), "search seed: method 'kvtool' is the calibrated recipe"),
         (SearchSpace(merge_modes=("blend",)), "unknown merge mode 'blend'"),
     ],
 )
@@ -291,3 +299,35 @@ def test_a_pool_width_only_the_window_scorer_rewards_is_found():
 
     search = search_recipe(START, SPACE, measure)
     assert (search.chosen.scorer, search.chosen.pool) == ("window", 31)
+
+
+def test_the_search_starts_from_the_best_seed_and_only_improves_on_it():
+    from kvtool.calibrate.recipes import SEED_STAGE, seed_recipes
+    from kvtool.runtime.methods import method_settings
+
+    space = SearchSpace()
+    seeds = seed_recipes(space, START)
+    h2o = method_settings("h2o", START)
+    assert recipe_key(seeds[0]) == recipe_key(h2o) and (h2o.selection, h2o.eviction) == ("heavy-hitter", "heavy-hitter")
+    # Every recipe measures 5 except H2O's, the best of all: the search must keep it.
+    search = search_recipe(START, space, lambda stage, s: 1.0 if recipe_key(s) == recipe_key(h2o) else 5.0, seeds=seeds)
+    assert recipe_key(search.chosen) == recipe_key(h2o)
+    assert [t.stage for t in search.trials[:3]] == ["start", SEED_STAGE, SEED_STAGE]
+    # The papers' recipe stays the one the finalists are confirmed against.
+    assert recipe_key(START) in {recipe_key(s) for s in search.finalists()}
+
+
+def test_the_selection_stage_can_move_to_h2o_selection_and_then_ignores_the_recent_share():
+    space = SearchSpace()
+    calls = []
+
+    def measure(stage, settings):
+        calls.append(settings)
+        return 1.0 if settings.selection == "heavy-hitter" else 2.0 + settings.recent_share
+
+    search = search_recipe(START, space, measure)
+    assert search.chosen.selection == "heavy-hitter"
+    # Recipes that differ only in a recent share the selection ignores are measured once.
+    keys = [recipe_key(s) for s in calls]
+    assert len(keys) == len(set(keys))
+    assert not any(s.selection == "heavy-hitter" and s.recent_share != search.chosen.recent_share for s in calls)

@@ -140,7 +140,9 @@ def with_calibration(
                     stage=t.stage, scorer=t.settings.scorer, heads=t.settings.heads, eviction=t.settings.eviction,
                     recent_share=t.settings.recent_share, merge=t.settings.merge,
                     truncation_distance=t.settings.truncation_distance, ppl=t.ppl, ratios=t.settings.ratios,
+                    window=t.settings.window if t.settings.scorer == "window" else None,
                     pool=t.settings.pool if t.settings.scorer == "window" else None,
+                    selection=t.settings.selection,
                     held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
                 )
                 for t in recipes.search.trials

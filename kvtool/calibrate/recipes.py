@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from kvtool.errors import KvtoolError
 from kvtool.profiles import EVICTION_RULES, MERGE_MODES, MethodSettings
 from kvtool.profiles.schema import HEAD_MODES, RATIO_SOURCES, SCORERS
+from kvtool.runtime.methods import method_settings
+
+# Prompt selections the search may choose: top-k by score beside sinks and the recent share, or
+# H2O's split (half the layer's share recent, half the top scores, no sinks).
+SEARCH_SELECTIONS = ("importance", "heavy-hitter")
 
 # Every generation rule that holds the budget; "prompt-only" lets the cache grow, so it is a mode
 # users ask for by name, never a calibration result for a budget that must hold.
@@ -38,7 +43,10 @@ class SearchSpace:
     """The values each rule may take; one value fixes that rule."""
 
     evictions: tuple[str, ...] = HELD_EVICTIONS
+    selections: tuple[str, ...] = SEARCH_SELECTIONS
     scorers: tuple[str, ...] = SCORERS
+    # The window scorer's observation windows (last prompt rows). Tried inside the scorer stage.
+    windows: tuple[int, ...] = (32,)
     ratio_sources: tuple[str, ...] = RATIO_SOURCES
     heads: tuple[str, ...] = HEAD_MODES
     # The window scorer's max-pool widths (odd). Tried inside the scorer stage, beside the scorers.
@@ -46,11 +54,14 @@ class SearchSpace:
     recent_shares: tuple[float, ...] = (0.0, 0.25, 0.5)
     merge_modes: tuple[str, ...] = ("none", "position")
     distances: tuple[int, ...] = (0, 8, 16, 25, 48, 96)
+    # Named methods whose rules start the search beside the papers' recipe (held-budget baselines).
+    seeds: tuple[str, ...] = ("h2o", "tova")
 
     def checked(self) -> "SearchSpace":
         """The same space with duplicates dropped; a one-line KvtoolError for a bad value."""
         checks = (
             ("generation rule", self.evictions, EVICTION_RULES),
+            ("selection", self.selections, SEARCH_SELECTIONS),
             ("scorer", self.scorers, SCORERS),
             ("ratio source", self.ratio_sources, RATIO_SOURCES),
             ("head mode", self.heads, HEAD_MODES),
@@ -64,26 +75,48 @@ class SearchSpace:
                 raise KvtoolError(f"unknown {what} {unknown[0]!r} (known: {', '.join(known)})")
         if not self.recent_shares or any(not 0.0 <= float(s) <= 1.0 for s in self.recent_shares):
             raise KvtoolError(f"recent shares must be fractions in [0, 1], got {list(self.recent_shares)}")
+        if not self.windows or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.windows):
+            raise KvtoolError(f"observation windows must be integers >= 1, got {list(self.windows)}")
         if not self.pools or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 or p % 2 == 0 for p in self.pools):
             raise KvtoolError(f"pool widths must be odd integers >= 1, got {list(self.pools)}")
         if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.distances):
             raise KvtoolError(f"truncation distances must be integers >= 0, got {list(self.distances)}")
+        seed_recipes(self, MethodSettings())  # an unknown or growing seed method fails here, before any model work
         unique = lambda values: tuple(dict.fromkeys(values))  # noqa: E731
         return SearchSpace(
             evictions=unique(self.evictions),
+            selections=unique(self.selections),
             scorers=unique(self.scorers),
+            windows=unique(self.windows),
             ratio_sources=unique(self.ratio_sources),
             heads=unique(self.heads),
             pools=unique(self.pools),
             recent_shares=unique(float(s) for s in self.recent_shares),
             merge_modes=unique(self.merge_modes),
             distances=unique(self.distances),
+            seeds=unique(self.seeds),
         )
+
+
+def seed_recipes(space: SearchSpace, start: MethodSettings) -> tuple[MethodSettings, ...]:
+    """The rules of each seed method of `space`, on `start`'s sinks, recent window and D."""
+    seeds = []
+    for name in space.seeds:
+        try:
+            settings = method_settings(name, start)
+        except KvtoolError as error:
+            raise KvtoolError(f"search seed: {error}") from None
+        if settings.eviction not in HELD_EVICTIONS:
+            raise KvtoolError(f"search seed {name!r} does not hold the budget while generating ({settings.eviction})")
+        seeds.append(settings)
+    return tuple(seeds)
+
 
 
 # (stage name, MethodSettings field, SearchSpace field), in the order the search walks them.
 STAGES = (
     ("generation rule", "eviction", "evictions"),
+    ("selection", "selection", "selections"),
     ("scorer", "scorer", "scorers"),
     ("ratios", "ratios", "ratio_sources"),
     ("heads", "heads", "heads"),
@@ -92,36 +125,48 @@ STAGES = (
     ("D", "truncation_distance", "distances"),
 )
 FIRST_STAGE = "start"
+SEED_STAGE = "seed"
 
 
 def recipe_key(settings: MethodSettings) -> tuple:
-    """What tells two recipes apart: D only matters to the fixed-point queue, the pool width only
-    to the window scorer."""
+    """What tells two recipes apart: D only matters to the fixed-point queue, window and pool width
+    only to the window scorer, the recent share only to the selection that reserves it."""
     distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
-    pool = settings.pool if settings.scorer == "window" else None
-    return (settings.eviction, settings.scorer, pool, settings.ratios, settings.heads, settings.recent_share, settings.merge, distance)
+    window = (settings.window, settings.pool) if settings.scorer == "window" else None
+    share = settings.recent_share if settings.selection == "importance" else None
+    return (
+        settings.eviction, settings.selection, settings.scorer, window, settings.ratios, settings.heads, share,
+        settings.merge, distance,
+    )
 
 
 def stage_options(attr: str, current: MethodSettings, space: SearchSpace) -> list[MethodSettings]:
     """The recipes one stage tries: `current` with each value of `attr` (the scorer stage tries the
-    window scorer once per pool width, so a pool is never judged under a scorer that ignores it)."""
+    window scorer at every window and pool width, so they are never judged under a scorer that
+    ignores them)."""
     values = getattr(space, next(v for _, a, v in STAGES if a == attr))
     options = []
     for value in values:
         if attr == "scorer" and value == "window":
-            options += [dataclasses.replace(current, scorer=value, pool=pool) for pool in space.pools]
+            options += [
+                dataclasses.replace(current, scorer=value, window=window, pool=pool)
+                for window in space.windows for pool in space.pools
+            ]
         else:
             options.append(dataclasses.replace(current, **{attr: value}))
     return options
 
 
 def describe(settings: MethodSettings) -> str:
-    """A recipe in one short line: `tova · window (pool 7) · ratios uniform · per-head · recent 25% · merge none`."""
+    """A recipe in one short line: `tova · window 32 (pool 7) · ratios uniform · per-head · recent 25% · merge none`."""
     parts = [settings.eviction]
     if settings.eviction == "fixed-point":
         parts[0] += f" D{settings.truncation_distance}"
-    scorer = f"window (pool {settings.pool})" if settings.scorer == "window" else settings.scorer
-    parts += [scorer, f"ratios {settings.ratios}", settings.heads, f"recent {settings.recent_share:.0%}", f"merge {settings.merge}"]
+    if settings.selection != "importance":
+        parts.append(f"{settings.selection} selection")
+    scorer = f"window {settings.window} (pool {settings.pool})" if settings.scorer == "window" else settings.scorer
+    recent = f"recent {settings.recent_share:.0%}" if settings.selection == "importance" else "recent half"
+    parts += [scorer, f"ratios {settings.ratios}", settings.heads, recent, f"merge {settings.merge}"]
     return " · ".join(parts)
 
 
@@ -157,8 +202,12 @@ class RecipeSearch:
 Measure = Callable[[str, MethodSettings], float]
 
 
-def search_recipe(start: MethodSettings, space: SearchSpace, measure: Measure, rounds: int = 2) -> RecipeSearch:
-    """Coordinate descent over `space` from `start`; `measure(stage, settings)` gives a recipe's PPL.
+def search_recipe(
+    start: MethodSettings, space: SearchSpace, measure: Measure, rounds: int = 2, seeds: tuple[MethodSettings, ...] = ()
+) -> RecipeSearch:
+    """Coordinate descent over `space` from the best of `start` and `seeds` (the recipes users would
+    run instead: the search starts from whichever of them measures best, so it can only improve on
+    them); `measure(stage, settings)` gives a recipe's PPL.
 
     A round walks every stage once; the next round starts only if the last one moved (a rule chosen
     late can change which earlier value is best: the generation rule was first tried with the
@@ -172,6 +221,9 @@ def search_recipe(start: MethodSettings, space: SearchSpace, measure: Measure, r
         return trials[key]
 
     current = tried(FIRST_STAGE, start).settings
+    for seed in seeds:
+        if tried(SEED_STAGE, seed).ppl < trials[recipe_key(current)].ppl:
+            current = seed
     for round_ in range(1, rounds + 1):
         before = recipe_key(current)
         for stage, attr, _ in STAGES:
@@ -193,12 +245,15 @@ def brute_force(start: MethodSettings, space: SearchSpace, measure: Callable[[Me
     best, best_ppl = start, float(measure(start))
     for eviction in space.evictions:
         distances = space.distances if eviction == "fixed-point" else (start.truncation_distance,)
-        scorers = [(s, p) for s in space.scorers for p in (space.pools if s == "window" else (start.pool,))]
-        for (scorer, pool), ratios in itertools.product(scorers, space.ratio_sources):
+        scorers = [
+            (s, w, p) for s in space.scorers
+            for w, p in (itertools.product(space.windows, space.pools) if s == "window" else ((start.window, start.pool),))
+        ]
+        for selection, (scorer, window, pool), ratios in itertools.product(space.selections, scorers, space.ratio_sources):
             for heads, share, merge, distance in itertools.product(space.heads, space.recent_shares, space.merge_modes, distances):
                 settings = dataclasses.replace(
-                    start, eviction=eviction, scorer=scorer, pool=pool, ratios=ratios, heads=heads,
-                    recent_share=share, merge=merge, truncation_distance=distance,
+                    start, eviction=eviction, selection=selection, scorer=scorer, window=window, pool=pool,
+                    ratios=ratios, heads=heads, recent_share=share, merge=merge, truncation_distance=distance,
                 )
                 ppl = float(measure(settings))
                 if ppl < best_ppl:

@@ -18,7 +18,7 @@ from kvtool.calibrate.passes import (
     recipe_ppl,
     reference_steps,
 )
-from kvtool.calibrate.recipes import STAGES, RecipeSearch, SearchSpace, recipe_key, search_recipe, stage_options
+from kvtool.calibrate.recipes import STAGES, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe, stage_options
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.profiles import MethodSettings, Profile
 
@@ -49,7 +49,7 @@ class ChosenRecipe:
 def max_trials(space: SearchSpace) -> int:
     """Recipes the first round tries at most (the progress bar's length: D may be skipped, a second
     round adds a few, so the bar is re-sized as it goes)."""
-    return 1 + sum(len(stage_options(attr, MethodSettings(), space)) - 1 for _, attr, _ in STAGES)
+    return 1 + len(space.seeds) + sum(len(stage_options(attr, MethodSettings(), space)) - 1 for _, attr, _ in STAGES)
 
 
 def choose_recipe(
@@ -69,7 +69,7 @@ def choose_recipe(
         bar.total = max(bar.total, bar.done + steps)  # a second round runs past the first's estimate
         return recipe_ppl(model, profile_for(settings), choosing, bar.step)
 
-    search = search_recipe(start, space, measure)
+    search = search_recipe(start, space, measure, seeds=seed_recipes(space, start))
     bar.finish()
     held_out: dict[tuple, float] = {}
     held_out_full = None

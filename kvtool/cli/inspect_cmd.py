@@ -186,22 +186,27 @@ def recipe_table(profile) -> Table:
         title_justify="left",
     )
     table.add_column("stage", no_wrap=True)
-    table.add_column("recipe: generation rule · scorer (window/pool width) · ratios · heads · recent share · merge", overflow="fold")
+    table.add_column("recipe: generation rule · scorer (window rows/pool width) · ratios · heads · recent share · merge", overflow="fold")
     # The numbers are the point of the table: narrow terminals wrap the recipe, never these.
     table.add_column("PPL", justify="right", no_wrap=True)
     table.add_column("held out", justify="right", no_wrap=True)
     method = profile.method
     for t in info.recipes:
-        chosen = (t.eviction, t.scorer, t.ratios, t.heads, t.recent_share, t.merge) == (
-            method.eviction, method.scorer, method.ratios, method.heads, method.recent_share, method.merge
+        chosen = (t.eviction, t.selection, t.scorer, t.ratios, t.heads, t.merge) == (
+            method.eviction, method.selection, method.scorer, method.ratios, method.heads, method.merge
         ) and (t.eviction != "fixed-point" or t.truncation_distance == method.truncation_distance) and (
-            t.scorer != "window" or t.pool in (None, method.pool)
-        )
+            t.scorer != "window" or (t.window in (None, method.window) and t.pool in (None, method.pool))
+        ) and (t.selection != "importance" or t.recent_share == method.recent_share)
         rule = f"{t.eviction} D{t.truncation_distance}" if t.eviction == "fixed-point" else t.eviction
-        scorer = f"window/{t.pool}" if t.scorer == "window" and t.pool is not None else t.scorer
+        if t.selection != "importance":
+            rule += f" · {t.selection} sel."
+        scorer = t.scorer
+        if t.scorer == "window" and t.pool is not None:
+            scorer = f"window {t.window or ''}/{t.pool}"
+        recent = f"{t.recent_share:.0%}" if t.selection == "importance" else "half"
         table.add_row(
             t.stage.replace("generation rule", "rule").replace("recent share", "recent"),
-            f"{rule} · {scorer} · {t.ratios} · {t.heads} · {t.recent_share:.0%} · {t.merge}",
+            f"{rule} · {scorer} · {t.ratios} · {t.heads} · {recent} · {t.merge}",
             f"{t.ppl:.3f}{' *' if chosen else ''}", "" if t.held_out_ppl is None else f"{t.held_out_ppl:.3f}",
             style="bold green" if chosen else None,
         )

@@ -129,8 +129,11 @@ class RecipeTrial:
     truncation_distance: int = field(metadata=_NON_NEGATIVE)
     ppl: float = field(metadata=rule(low=0, open_low=True))  # on the prompts that choose
     ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
-    # The window scorer's max-pool width; left out for the other scorers (and in older files).
+    # The window scorer's observation window and max-pool width; left out for the other scorers
+    # (and in older files).
+    window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     pool: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
+    selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
     # On the held-out calibration prompts, for the recipes confirmed there; left out otherwise.
     held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
 

@@ -134,10 +134,17 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     else:
         profile = uniform_profile(model, budget)
     base = calibrated.method if calibrated is not None else MethodSettings()
-    merge = method.merge or base.merge
-    settings = dataclasses.replace(
-        base, selection=method.selection, merge=merge, eviction=method.eviction,
+    return dataclasses.replace(profile, method=method_settings(name, base))
+
+
+def method_settings(name: str, base: MethodSettings) -> MethodSettings:
+    """The rules of the named (non-recipe) method, with `base`'s sinks, recent window, D and, where
+    the method leaves it to calibration, merge mode."""
+    method = get_method(name)
+    if method.recipe:
+        raise KvtoolError(f"method {name!r} is the calibrated recipe, not a fixed set of rules")
+    return dataclasses.replace(
+        base, selection=method.selection, merge=method.merge or base.merge, eviction=method.eviction,
         scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads, recent_share=0.0,
         ratios="scorer" if method.per_layer else "uniform",
     )
-    return dataclasses.replace(profile, method=settings)
