@@ -145,13 +145,68 @@ def paired(rows: list[Row], against: str, kinds: list[str | None]) -> str:
     return "\n".join(lines)
 
 
+def plot(evals: list[Path], peers: list[Path], path: Path) -> Path:
+    """PPL, ROUGE-L and retrieval accuracy against budget, one line per method of every file (all
+    budgets they hold; later files replace earlier rows of the same method and budget). kvpress
+    presses are dashed: they compress the prompt only unless the row says it holds the budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted({r["budget"] for p in evals + peers for r in json.loads(p.read_text())["results"] if r["budget"] < 1})
+    series: dict[str, dict[float, Row]] = {}
+    full: dict = {}
+    for budget in budgets:
+        try:
+            rows, full_b, _ = load(evals, peers, budget)
+        except SystemExit:
+            continue
+        full = full or full_b
+        for row in rows:
+            series.setdefault(row.name, {})[budget] = row
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+    for name, points in series.items():
+        xs = sorted(points)
+        rows = [points[x] for x in xs]
+        style = dict(marker="o", linestyle="--" if rows[0].tool == "kvpress" else "-", label=name,
+                     linewidth=2.5 if name == "kvtool" else 1.2)
+        axes[0].plot(xs, [r.ppl for r in rows], **style)
+        rouge = [[v for v in r.rouge if not math.isnan(v)] for r in rows]
+        axes[1].errorbar(xs, [statistics.fmean(v) for v in rouge], yerr=[sem(v) for v in rouge], capsize=3, **style)
+        axes[2].plot(xs, [mean_accuracy(r) for r in rows], **style)
+    axes[0].axhline(full["ppl"], color="black", linestyle=":", label="full cache")
+    axes[0].set(xlabel="budget (kept fraction)", ylabel="PPL (lower is better)", yscale="log", title="Perplexity")
+    axes[1].axhline(1.0, color="black", linestyle=":", label="full cache")
+    axes[1].set(xlabel="budget (kept fraction)", ylabel="ROUGE-L vs the full cache's output", ylim=(0, 1.05), title="ROUGE-L (± 1 SE)")
+    if full.get("accuracy") is not None:
+        axes[2].axhline(full["accuracy"], color="black", linestyle=":", label="full cache")
+    axes[2].set(xlabel="budget (kept fraction)", ylabel="share of needles found", ylim=(0, 1.05), title="Retrieval accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("evals", type=Path, nargs="+", help="kvtool eval --json files (a later file's method replaces the same method of an earlier one)")
     parser.add_argument("--peer", type=Path, action="append", default=[], help="peer_kvpress.py --json files")
-    parser.add_argument("--budget", type=float, required=True)
+    parser.add_argument("--budget", type=float, help="the budget of the tables (required without --plot)")
+    parser.add_argument("--plot", type=Path, help="also draw every budget of the files here (PNG; needs matplotlib)")
     parser.add_argument("--against", default="kvtool", help="the method the paired differences start from")
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        print(f"wrote {plot(args.evals, args.peer, args.plot)}")
+    if args.budget is None:
+        if args.plot is None:
+            parser.error("--budget is required without --plot")
+        return
     rows, full, kinds = load(args.evals, args.peer, args.budget)
     print(f"Budget {args.budget:g}, {len(rows[0].rouge)} prompts.\n")
     print(main_table(rows, full) + "\n")

@@ -359,9 +359,11 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     assert info.chosen_on == info.confirmed_on == 5 and info.recipes
     best = min(info.recipes, key=lambda t: t.ppl)
     method = profile.method
-    assert (best.eviction, best.scorer, best.ratios, best.heads, best.recent_share, best.merge) == (
-        method.eviction, method.scorer, method.ratios, method.heads, method.recent_share, method.merge
+    assert (best.eviction, best.selection, best.scorer, best.ratios, best.heads, best.recent_share, best.merge) == (
+        method.eviction, method.selection, method.scorer, method.ratios, method.heads, method.recent_share, method.merge
     )
+    if method.scorer == "window":
+        assert (best.window, best.pool) == (method.window, method.pool)
     assert info.ppl_compressed == best.ppl and best.held_out_ppl < info.recipes[0].held_out_ppl
     assert info.recipes[0].stage == "start" and info.recipes[0].eviction == "fixed-point"
     drawn = select_by_kind(load_jsonl(), 10, seed=0)

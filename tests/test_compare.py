@@ -75,3 +75,14 @@ def test_mismatched_files_are_refused(compare, tmp_path):
         compare.main([str(write(tmp_path / "e.json", doc)), "--peer", str(peer), "--budget", "0.2"])
     with pytest.raises(SystemExit, match="no results at budget 0.3"):
         compare.main([str(tmp_path / "e.json"), "--budget", "0.3"])
+
+
+def test_plot_draws_every_budget_of_the_files(compare, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    evals = write(tmp_path / "e.json", kvtool_doc())
+    out = tmp_path / "plots" / "quality.png"
+    compare.main([str(evals), "--plot", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(out.parent.glob("*.tmp.png"))
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compare.main([str(evals)])  # neither a budget nor a plot

@@ -94,8 +94,9 @@ def calibrate_command(
         bool,
         typer.Option(
             "--search/--papers",
-            help="--search (default): choose the recipe (generation rule, scorer, shared or per-head entries, "
-            "recent share, merge, D) on half the prompts by calibration PPL and confirm it on the other half. "
+            help="--search (default): choose the recipe (generation rule, prompt selection, scorer and its pool "
+            "width, ratio source, shared or per-head entries, recent share, merge, D), starting from the best of "
+            "the papers', h2o's and tova's rules, on half the prompts by calibration PPL, and confirm it on the other half. "
             "--papers: keep the papers' recipe (attention-sum, shared, fixed-point) and tune only D and the merge mode.",
         ),
     ] = True,
