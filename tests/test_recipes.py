@@ -122,7 +122,14 @@ def test_finalists_are_the_chosen_the_runners_up_and_the_start():
     finalists = search.finalists(3)
     keys = [recipe_key(s) for s in finalists]
     assert keys[0] == recipe_key(search.chosen)
-    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 4
+    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 5
+    # Every scorer the search tried has its best recipe among the finalists.
+    for scorer in {t.settings.scorer for t in search.trials}:
+        best = min((t for t in search.trials if t.settings.scorer == scorer), key=lambda t: t.ppl)
+        assert any(f.scorer == scorer for f in finalists)
+        assert recipe_key(best.settings) in keys or any(
+            f.scorer == scorer and search.ppl_of(f) <= best.ppl for f in finalists if recipe_key(f) != recipe_key(START)
+        )
 
 
 @pytest.mark.parametrize(

@@ -188,13 +188,19 @@ class RecipeSearch:
         return next(t.ppl for t in self.trials if recipe_key(t.settings) == key)
 
     def finalists(self, count: int = 3) -> tuple[MethodSettings, ...]:
-        """The chosen recipe, the runners-up by PPL and the papers' recipe the search started from."""
+        """The chosen recipe, the runners-up by PPL, the best recipe of each scorer not among them
+        yet (so the held-out half also sees the best of the kind the choice passed over) and the
+        papers' recipe the search started from."""
         ranked = sorted(self.trials, key=lambda t: t.ppl)
         picked = {recipe_key(self.chosen): self.chosen}
         for trial in ranked:
             if len(picked) >= count:
                 break
             picked.setdefault(recipe_key(trial.settings), trial.settings)
+        for scorer in dict.fromkeys(t.settings.scorer for t in ranked):
+            if not any(s.scorer == scorer for s in picked.values()):
+                best = next(t.settings for t in ranked if t.settings.scorer == scorer)
+                picked[recipe_key(best)] = best
         picked.setdefault(recipe_key(self.start), self.start)
         return tuple(picked.values())
 
