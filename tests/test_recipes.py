@@ -338,3 +338,24 @@ def test_the_selection_stage_can_move_to_h2o_selection_and_then_ignores_the_rece
     keys = [recipe_key(s) for s in calls]
     assert len(keys) == len(set(keys))
     assert not any(s.selection == "heavy-hitter" and s.recent_share != search.chosen.recent_share for s in calls)
+
+
+def test_a_choice_the_held_out_prompts_reject_falls_back_to_the_best_finalist_over_all_prompts():
+    from kvtool.calibrate.recipes import pick_recipe
+
+    table: dict = {}
+    rng = random.Random(5)
+    search = search_recipe(START, SPACE, lambda stage, s: table.setdefault(recipe_key(s), 1.0 + rng.random()))
+    finalists = search.finalists()
+    chosen, start = recipe_key(search.chosen), recipe_key(START)
+    other = next(recipe_key(f) for f in finalists if recipe_key(f) not in (chosen, start))
+    confirmed = {recipe_key(f): 3.0 for f in finalists} | {chosen: 2.0}
+    assert pick_recipe(search, confirmed, 5, 5) == search.chosen
+    assert pick_recipe(search, {}, 5, 0) == search.chosen  # nothing held out
+    # Rejected (worse than the papers' recipe on the held-out half): the finalist whose
+    # prompt-weighted mean log PPL over both halves is lowest.
+    rejected = {recipe_key(f): 3.0 for f in finalists} | {chosen: 9.0, start: 2.5, other: 1.01}
+    import math
+    overall = lambda k: (5 * math.log(search.ppl_of(next(t.settings for t in search.trials if recipe_key(t.settings) == k))) + 5 * math.log(rejected[k])) / 10  # noqa: E731
+    expected = min(rejected, key=overall)
+    assert recipe_key(pick_recipe(search, rejected, 5, 5)) == expected != chosen

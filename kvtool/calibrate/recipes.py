@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -203,6 +204,23 @@ class RecipeSearch:
                 picked[recipe_key(best)] = best
         picked.setdefault(recipe_key(self.start), self.start)
         return tuple(picked.values())
+
+
+def pick_recipe(search: RecipeSearch, held_out: dict[tuple, float], choosing: int, confirming: int) -> MethodSettings:
+    """The recipe calibration ships: the search's choice when the held-out prompts confirm it (it
+    is no worse than the papers' recipe there) or there is nothing to confirm; else the finalist
+    with the lowest PPL over all the prompts (exp of the prompt-weighted mean log PPL of both
+    halves). Five prompts can rank recipes the other five reverse; shipping a choice its own
+    held-out check rejects would be worse, and the fallback is reported as not confirmed."""
+    chosen, start = recipe_key(search.chosen), recipe_key(search.start)
+    if not held_out or chosen == start or held_out[chosen] <= held_out[start]:
+        return search.chosen
+    by_key = {recipe_key(t.settings): t for t in search.trials}
+
+    def overall(key: tuple) -> float:
+        return (choosing * math.log(by_key[key].ppl) + confirming * math.log(held_out[key])) / (choosing + confirming)
+
+    return by_key[min(held_out, key=overall)].settings
 
 
 Measure = Callable[[str, MethodSettings], float]

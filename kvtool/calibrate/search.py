@@ -18,7 +18,7 @@ from kvtool.calibrate.passes import (
     recipe_ppl,
     reference_steps,
 )
-from kvtool.calibrate.recipes import STAGES, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe, stage_options
+from kvtool.calibrate.recipes import STAGES, pick_recipe, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe, stage_options
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.profiles import MethodSettings, Profile
 
@@ -34,7 +34,14 @@ class ChosenRecipe:
     tokens: int  # reference tokens scored on the prompts that chose
     chosen_on: int
     confirmed_on: int
-    truncation: TruncationResult | None  # the chosen recipe's D trials (fixed-point only)
+    truncation: TruncationResult | None  # the shipped recipe's D trials (fixed-point only)
+    # The recipe the profile runs: the search's choice, or the fallback `pick_recipe` made when the
+    # held-out prompts did not confirm it.
+    picked: MethodSettings | None = None
+
+    @property
+    def fell_back(self) -> bool:
+        return self.picked is not None and recipe_key(self.picked) != recipe_key(self.search.chosen)
 
     @property
     def confirmed(self) -> bool | None:
@@ -81,21 +88,24 @@ def choose_recipe(
         confirm.finish()
         held_out_full = full_ppl(confirming).ppl()
     full = full_ppl(choosing)
+    chosen_on = sum(len(s.batch.rows) for s in choosing)
+    confirmed_on = sum(len(s.batch.rows) for s in confirming)
+    picked = pick_recipe(search, held_out, chosen_on, confirmed_on)
     return ChosenRecipe(
         search=search,
         held_out=held_out,
         ppl_full=full.ppl(),
         held_out_ppl_full=held_out_full,
         tokens=full.count,
-        chosen_on=sum(len(s.batch.rows) for s in choosing),
-        confirmed_on=sum(len(s.batch.rows) for s in confirming),
-        truncation=_truncation(search, full.ppl(), full.count),
+        chosen_on=chosen_on,
+        confirmed_on=confirmed_on,
+        truncation=_truncation(search, picked, full.ppl(), full.count),
+        picked=picked,
     )
 
 
-def _truncation(search: RecipeSearch, ppl_full: float, tokens: int) -> TruncationResult | None:
-    """The D trials of the chosen recipe, in the form the D-only tuning reports."""
-    chosen = search.chosen
+def _truncation(search: RecipeSearch, chosen: MethodSettings, ppl_full: float, tokens: int) -> TruncationResult | None:
+    """The D trials of the shipped recipe, in the form the D-only tuning reports."""
     if chosen.eviction != "fixed-point":
         return None
     same = lambda s: dataclasses.replace(s, truncation_distance=0) == dataclasses.replace(chosen, truncation_distance=0)  # noqa: E731

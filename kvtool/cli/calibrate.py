@@ -193,10 +193,19 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
     from kvtool.calibrate.recipes import describe
 
     chosen = result.recipes
-    facts.add_row("Recipe", f"{describe(chosen.search.chosen)} (lowest PPL on {chosen.chosen_on} prompts)")
+    picked = chosen.picked or chosen.search.chosen
+    if chosen.fell_back:
+        facts.add_row(
+            "Recipe",
+            f"{describe(picked)} (the finalist with the lowest PPL over all {chosen.chosen_on + chosen.confirmed_on} "
+            f"prompts: the held-out prompts rejected the search's choice, {describe(chosen.search.chosen)}; "
+            "nothing independent confirms this one)",
+        )
+    else:
+        facts.add_row("Recipe", f"{describe(picked)} (lowest PPL on {chosen.chosen_on} prompts)")
     facts.add_row(
         "Calibration PPL",
-        f"full {chosen.ppl_full:.3f} → {chosen.search.ppl_of(chosen.search.chosen):.3f} (papers' recipe "
+        f"full {chosen.ppl_full:.3f} → {chosen.search.ppl_of(picked):.3f} (papers' recipe "
         f"{chosen.search.ppl_of(chosen.search.start):.3f}) over {chosen.tokens} reference tokens",
     )
     if chosen.held_out:
@@ -207,7 +216,8 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
         facts.add_row(
             "Held out",
             f"{chosen.confirmed_on} other prompts: full {chosen.held_out_ppl_full:.3f} → chosen "
-            f"{held[recipe_key(chosen.search.chosen)]:.3f}, papers' {held[recipe_key(chosen.search.start)]:.3f} ({verdict})",
+            f"{held[recipe_key(chosen.search.chosen)]:.3f}, papers' {held[recipe_key(chosen.search.start)]:.3f} ({verdict})"
+            + (f"; shipped finalist {held[recipe_key(picked)]:.3f}" if chosen.fell_back else ""),
         )
 
 

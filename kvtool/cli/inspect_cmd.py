@@ -127,6 +127,9 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
         rows.append(("Truncation PPL", table))
     if info.chosen_on is not None:
         held = f" · confirmed on {info.confirmed_on} held-out prompts" if info.confirmed_on else ""
+        if info.fell_back:
+            held = (f" · the held-out {info.confirmed_on} rejected the search's choice: shipped the finalist "
+                    "with the lowest PPL over all prompts (not independently confirmed)")
         if info.held_out_ppl_full is not None:
             held += f" (full cache PPL there {info.held_out_ppl_full:.3f})"
         rows.append(("Recipe search", f"{len(info.recipes or ())} recipes tried on {info.chosen_on} prompts{held}"))
