@@ -22,7 +22,7 @@ from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
 from kvtool.calibrate.config import CalibrateConfig
 from kvtool.calibrate.passes import Progress, full_pass, no_progress, scorer_key, search_truncation_and_merge
-from kvtool.calibrate.recipes import stage_options
+from kvtool.calibrate.recipes import seed_recipes, stage_options
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.calibrate.search import ChosenRecipe, choose_recipe
@@ -102,9 +102,14 @@ def calibrate(
             )
             batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
             answers += part_answers
-    # Statistics under every scorer the search may choose (window: once per pool width), and
-    # always attention-sum's: PrefixKV's ratios and the profile's stored curves come from those.
-    scorers = (replace(method, scorer="attention-sum"), method, *(stage_options("scorer", method, space) if space else ()))
+
+    # Statistics under every scorer the search may reach (window: each window and pool width, the
+    # seeds' own, e.g. TOVA's one row), and always attention-sum's: PrefixKV's ratios and the
+    # profile's stored curves come from those.
+    scorers = (
+        replace(method, scorer="attention-sum"), method,
+        *((*stage_options("scorer", method, space), *seed_recipes(space, method)) if space else ()),
+    )
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
         reference_tokens=config.reference_tokens, with_references=bool(config.candidates), progress=report,
