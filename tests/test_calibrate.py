@@ -456,7 +456,12 @@ def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedMo
     # The profile's recipe is the search's choice, the lowest PPL of every recipe tried.
     assert recipe_key(run.profile.method) == recipe_key(chosen.search.chosen)
     assert info.ppl_compressed == min(t.ppl for t in info.recipes)
-    assert len(info.recipes) == len({(t.eviction, t.scorer, t.pool, t.ratios, t.heads, t.recent_share, t.merge, t.truncation_distance if t.eviction == "fixed-point" else None) for t in info.recipes})
+    assert len(info.recipes) == len({
+        (t.eviction, t.selection, t.scorer, t.window, t.pool, t.ratios, t.heads,
+         t.recent_share if t.selection == "importance" else None, t.merge,
+         t.truncation_distance if t.eviction == "fixed-point" else None)
+        for t in info.recipes
+    })
     # The window scorer was tried at every pool width of the space; only its trials record one.
     assert {t.pool for t in info.recipes if t.scorer == "window"} >= set(SearchSpace().pools)
     assert all(t.pool is None for t in info.recipes if t.scorer != "window")
