@@ -1,20 +1,21 @@
 """The recipe search: which rules keep the answers at this budget, chosen by calibration PPL.
 
 A recipe is what calibration varies in a profile's method settings: the generation rule
-(eviction), the scorer (the window scorer with each max-pool width: pooling keeps the neighbours of a
-strongly attended token, so a fact that spans many tokens, a number written digit by digit, survives
-whole), where the per-layer ratios come from (the scorer's Lorenz curves,
+(eviction), the prompt selection (top scores beside sinks and a recent share, or H2O's half
+recent / half top), the scorer (the window scorer at each max-pool width: pooling keeps the
+neighbours of a strongly attended token, so a fact that spans many tokens, a number written digit
+by digit, survives whole), where the per-layer ratios come from (the scorer's Lorenz curves,
 attention-sum curves, or the same ratio everywhere), shared or per-head entries, the recent share,
-the merge mode and D. The
-full product is hundreds of recipes; the search is one round of coordinate descent instead: from
-the papers' recipe, each step tries every value of one rule with the others at the best so far and
-keeps the lowest PPL (ties keep the current value), in the order the rules matter most (the
-generation rule decides what survives a long answer, D only tunes the fixed-point queue, so it
-goes last and only when the queue is chosen). About a dozen recipes, each a teacher-forced pass.
+the merge mode and D. The full product is thousands of recipes; the search is coordinate descent
+instead: from the best of the papers' recipe and the seed baselines' rules, each step tries every
+value of one rule with the others at the best so far and keeps the lowest PPL (ties keep the
+current value), in the order the rules matter most (the generation rule decides what survives a
+long answer, D only tunes the fixed-point queue, so it goes last and only when the queue is
+chosen); a second round follows if the first moved. About 15-30 recipes, each a teacher-forced pass.
 
-The PPLs come from the prompts that choose; `confirm` re-measures the finalists on calibration
-prompts the choice never saw. Nothing here runs a model: `measure` is handed in, which keeps the
-search testable against a brute-force search of the same space.
+The PPLs come from the prompts that choose; the finalists are re-measured on calibration prompts
+the choice never saw, and `pick_recipe` decides what ships. Nothing here runs a model: `measure` is
+handed in, which keeps the search testable against a brute-force search of the same space.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class SearchSpace:
             raise KvtoolError(f"pool widths must be odd integers >= 1, got {list(self.pools)}")
         if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.distances):
             raise KvtoolError(f"truncation distances must be integers >= 0, got {list(self.distances)}")
-        seed_recipes(self, MethodSettings())  # an unknown or growing seed method fails here, before any model work
+        seed_recipes(self, MethodSettings())  # an unknown seed, or one that lets the cache grow, fails before any model work
         unique = lambda values: tuple(dict.fromkeys(values))  # noqa: E731
         return SearchSpace(
             evictions=unique(self.evictions),
@@ -111,7 +112,6 @@ def seed_recipes(space: SearchSpace, start: MethodSettings) -> tuple[MethodSetti
             raise KvtoolError(f"search seed {name!r} does not hold the budget while generating ({settings.eviction})")
         seeds.append(settings)
     return tuple(seeds)
-
 
 
 # (stage name, MethodSettings field, SearchSpace field), in the order the search walks them.
