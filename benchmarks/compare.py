@@ -154,6 +154,8 @@ def plot(evals: list[Path], peers: list[Path], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvtool.evaluate.plot import save_figure
+
     budgets = sorted({r["budget"] for p in evals + peers for r in json.loads(p.read_text())["results"] if r["budget"] < 1})
     series: dict[str, dict[float, Row]] = {}
     full: dict = {}
@@ -185,12 +187,7 @@ def plot(evals: list[Path], peers: list[Path], path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

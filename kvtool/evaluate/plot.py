@@ -40,9 +40,16 @@ def plot_report(report: EvalReport, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{report.model}: {report.samples} prompts, {report.max_new_tokens} new tokens")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """Write `fig` to `path` atomically (a half-written PNG never takes the name) and close it."""
+    import matplotlib.pyplot as plt
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     tmp.replace(path)
     return path
