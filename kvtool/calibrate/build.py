@@ -131,7 +131,7 @@ def with_calibration(
         info = dataclasses.replace(
             info,
             ppl_full=recipes.ppl_full,
-            ppl_compressed=recipes.search.ppl_of(recipes.picked or recipes.search.chosen),
+            ppl_compressed=recipes.search.ppl_of(recipes.picked),
             fell_back=True if recipes.fell_back else None,
             chosen_on=recipes.chosen_on,
             confirmed_on=recipes.confirmed_on or None,

@@ -140,7 +140,7 @@ def calibrate(
         recipes = choose_recipe(
             loaded.model, method, space, profile_for, measured.states[:split], measured.states[split:], report
         )
-        profile = profile_for(recipes.picked or recipes.search.chosen)
+        profile = profile_for(recipes.picked)
         truncation = recipes.truncation
     elif config.candidates:
         profile = profile_for(method)

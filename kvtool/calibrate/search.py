@@ -37,11 +37,11 @@ class ChosenRecipe:
     truncation: TruncationResult | None  # the shipped recipe's D trials (fixed-point only)
     # The recipe the profile runs: the search's choice, or the fallback `pick_recipe` made when the
     # held-out prompts did not confirm it.
-    picked: MethodSettings | None = None
+    picked: MethodSettings
 
     @property
     def fell_back(self) -> bool:
-        return self.picked is not None and recipe_key(self.picked) != recipe_key(self.search.chosen)
+        return recipe_key(self.picked) != recipe_key(self.search.chosen)
 
     @property
     def confirmed(self) -> bool | None:

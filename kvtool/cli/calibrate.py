@@ -193,7 +193,7 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
     from kvtool.calibrate.recipes import describe
 
     chosen = result.recipes
-    picked = chosen.picked or chosen.search.chosen
+    picked = chosen.picked
     if chosen.fell_back:
         facts.add_row(
             "Recipe",
