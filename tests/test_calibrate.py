@@ -340,6 +340,64 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
             handle.detach()
 
 
+def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
+    """The recipe search runs a stage's recipes as blocks of one batch (runtime.grouped): every
+    block must decode, evict and score as its cache would alone, sliding-window layers included."""
+    from kvtool.calibrate.passes import PromptState, recipe_ppls
+    from kvtool.calibrate.truncation import compress_recorded_prompt
+    from kvtool.runtime.grouped import GroupedCache
+    from kvtool.scoring import References, left_pad
+    from tiny_models import profile_with
+
+    for model in (tiny_llama(layers=3, seed=5), tiny_gemma3(seed=5)):
+        layers = model.config.num_hidden_layers
+        gen = torch.Generator().manual_seed(1)
+        sequences = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (40, 29, 35)]
+        batch = left_pad(sequences, (0, 1, 2), pad_id=0)
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+        ratios = [0.3, 0.5, 0.2, 0.4][:layers]
+        profiles = [
+            profile_with(model, ratios, truncation_distance=8, merge="position"),
+            profile_with(model, ratios, eviction="tova", scorer="window", window=4, pool=3, heads="per-head"),
+            profile_with(model, 0.25, eviction="heavy-hitter", selection="heavy-hitter"),
+        ]
+        with torch.inference_mode():
+            full_handle = attach(model, uniform_profile(model, 1.0))
+            full = full_handle.new_cache(record_importance=True)
+            first = model(**inputs, past_key_values=full, use_cache=True).logits[:, -1]
+            full_handle.detach()
+            handle = attach(model, profiles[0])
+            alone = [compress_recorded_prompt(handle.cache_for(p), full, batch.attention_mask) for p in profiles]
+            parts = [compress_recorded_prompt(handle.cache_for(p), full, batch.attention_mask) for p in profiles]
+            grouped = GroupedCache(parts, rows=3)
+            mask, position = batch.attention_mask, batch.next_positions
+            tokens = torch.randint(3, 90, (3, 14), generator=gen)
+            for t in range(14):  # past the first evictions
+                mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+                step = {"input_ids": tokens[:, t : t + 1], "position_ids": position, "use_cache": True}
+                together = model(
+                    **{**step, "input_ids": tokens[:, t : t + 1].repeat(3, 1), "position_ids": position.repeat(3, 1)},
+                    attention_mask=mask.repeat(3, 1), past_key_values=grouped,
+                ).logits[:, -1]
+                for i, cache in enumerate(alone):
+                    logits = model(**step, attention_mask=mask, past_key_values=cache).logits[:, -1]
+                    assert torch.allclose(together[3 * i : 3 * i + 3], logits, atol=1e-10)
+                position = position + 1
+            for cache, part in zip(alone, parts):
+                for index, layer in cache.compressing_layers().items():
+                    other = part.layers[index]
+                    assert torch.equal(layer.valid, other.valid) and torch.equal(layer.order, other.order)
+            handle.detach()
+            # The search's measure: side by side equals one at a time.
+            scored = torch.ones(3, 10, dtype=torch.bool)
+            scored[1, 6:] = False
+            references = References(tokens=tokens[:, :10], scored=scored, nll_full=torch.zeros(3, 10, dtype=torch.float64))
+            state = PromptState(batch, first, full, references)
+            together = recipe_ppls(model, profiles, [state])
+            assert together == pytest.approx([recipe_ppls(model, [p], [state])[0] for p in profiles], rel=1e-12)
+            assert len(set(together)) == 3
+
+
 # --------------------------------------------------------------------------- shipped profiles
 
 

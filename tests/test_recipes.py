@@ -27,6 +27,11 @@ START = MethodSettings(merge="position", truncation_distance=25)
 SPACE = SearchSpace(selections=("importance",))
 
 
+def each(measure):
+    """The search hands a stage's new recipes over together; these measures take them one by one."""
+    return lambda stage, recipes: [measure(stage, s) for s in recipes]
+
+
 def separable(seed: int, distance_costs: bool = False):
     """A measure that is a sum of one random cost per rule value: coordinate descent finds its
     minimum in one round, whatever the start. D costs are off by default: the generation rule is
@@ -60,7 +65,7 @@ def separable(seed: int, distance_costs: bool = False):
 def test_search_finds_the_brute_force_best_of_a_separable_measure(seed):
     measure = separable(seed)
     calls = []
-    search = search_recipe(START, SPACE, lambda stage, s: calls.append(s) or measure(s))
+    search = search_recipe(START, SPACE, each(lambda stage, s: calls.append(s) or measure(s)))
     best = brute_force(START, SPACE, measure)
     assert measure(search.chosen) == pytest.approx(measure(best))
     # Each recipe measured once, and far fewer than the product (about 180 recipes).
@@ -72,18 +77,18 @@ def test_d_is_the_queue_length_with_the_lowest_cost_once_the_queue_wins():
     for seed in range(10):
         costs = separable(seed, distance_costs=True)
         measure = lambda s: costs(s) - (10.0 if s.eviction == "fixed-point" else 0.0)  # noqa: E731
-        search = search_recipe(START, SPACE, lambda stage, s: measure(s))
+        search = search_recipe(START, SPACE, each(lambda stage, s: measure(s)))
         assert search.chosen.eviction == "fixed-point"
         assert measure(search.chosen) == pytest.approx(measure(brute_force(START, SPACE, measure)))
 
 
 def test_search_never_ends_worse_than_where_it_started_and_keeps_ties():
-    flat = search_recipe(START, SPACE, lambda stage, s: 3.0)
+    flat = search_recipe(START, SPACE, each(lambda stage, s: 3.0))
     assert flat.chosen == START  # ties keep the current recipe
     rng = random.Random(1)
     table: dict = {}
     for _ in range(30):
-        noisy = search_recipe(START, SPACE, lambda stage, s: table.setdefault(recipe_key(s), rng.random()))
+        noisy = search_recipe(START, SPACE, each(lambda stage, s: table.setdefault(recipe_key(s), rng.random())))
         assert noisy.ppl_of(noisy.chosen) <= noisy.ppl_of(START)
         assert noisy.ppl_of(noisy.chosen) == min(t.ppl for t in noisy.trials)
 
@@ -97,8 +102,8 @@ def test_a_second_round_revisits_an_early_rule():
             cost -= 2.0 + (1.0 if s.eviction == "tova" else 0.0)
         return cost
 
-    one = search_recipe(START, SPACE, lambda stage, s: measure(s), rounds=1)
-    two = search_recipe(START, SPACE, lambda stage, s: measure(s), rounds=2)
+    one = search_recipe(START, SPACE, each(lambda stage, s: measure(s)), rounds=1)
+    two = search_recipe(START, SPACE, each(lambda stage, s: measure(s)), rounds=2)
     assert (one.chosen.eviction, one.chosen.scorer) == ("heavy-hitter", "window")
     assert (two.chosen.eviction, two.chosen.scorer) == ("tova", "window")
     assert any(t.stage.endswith("(2)") for t in two.trials)
@@ -106,7 +111,7 @@ def test_a_second_round_revisits_an_early_rule():
 
 def test_d_is_searched_only_for_the_fixed_point_queue():
     tova_wins = lambda stage, s: 1.0 if s.eviction == "tova" else 2.0  # noqa: E731
-    search = search_recipe(START, SPACE, tova_wins)
+    search = search_recipe(START, SPACE, each(tova_wins))
     assert search.chosen.eviction == "tova"
     assert not [t for t in search.trials if t.stage == "D"]
     # D does not tell tova recipes apart.
@@ -118,7 +123,7 @@ def test_d_is_searched_only_for_the_fixed_point_queue():
 def test_finalists_are_the_chosen_the_runners_up_and_the_start():
     table: dict = {}
     rng = random.Random(3)
-    search = search_recipe(START, SPACE, lambda stage, s: table.setdefault(recipe_key(s), rng.random()))
+    search = search_recipe(START, SPACE, each(lambda stage, s: table.setdefault(recipe_key(s), rng.random())))
     finalists = search.finalists(3)
     keys = [recipe_key(s) for s in finalists]
     assert keys[0] == recipe_key(search.chosen)
@@ -304,7 +309,7 @@ def test_a_pool_width_only_the_window_scorer_rewards_is_found():
             return 1.0 if settings.pool == 31 else 3.0
         return 2.0
 
-    search = search_recipe(START, SPACE, measure)
+    search = search_recipe(START, SPACE, each(measure))
     assert (search.chosen.scorer, search.chosen.pool) == ("window", 31)
 
 
@@ -317,7 +322,7 @@ def test_the_search_starts_from_the_best_seed_and_only_improves_on_it():
     h2o = method_settings("h2o", START)
     assert recipe_key(seeds[0]) == recipe_key(h2o) and (h2o.selection, h2o.eviction) == ("heavy-hitter", "heavy-hitter")
     # Every recipe measures 5 except H2O's, the best of all: the search must keep it.
-    search = search_recipe(START, space, lambda stage, s: 1.0 if recipe_key(s) == recipe_key(h2o) else 5.0, seeds=seeds)
+    search = search_recipe(START, space, each(lambda stage, s: 1.0 if recipe_key(s) == recipe_key(h2o) else 5.0), seeds=seeds)
     assert recipe_key(search.chosen) == recipe_key(h2o)
     assert [t.stage for t in search.trials[:3]] == ["start", SEED_STAGE, SEED_STAGE]
     # The papers' recipe stays the one the finalists are confirmed against.
@@ -332,7 +337,7 @@ def test_the_selection_stage_can_move_to_h2o_selection_and_then_ignores_the_rece
         calls.append(settings)
         return 1.0 if settings.selection == "heavy-hitter" else 2.0 + settings.recent_share
 
-    search = search_recipe(START, space, measure)
+    search = search_recipe(START, space, each(measure))
     assert search.chosen.selection == "heavy-hitter"
     # Recipes that differ only in a recent share the selection ignores are measured once.
     keys = [recipe_key(s) for s in calls]
@@ -345,7 +350,7 @@ def test_a_choice_the_held_out_prompts_reject_falls_back_to_the_best_finalist_ov
 
     table: dict = {}
     rng = random.Random(5)
-    search = search_recipe(START, SPACE, lambda stage, s: table.setdefault(recipe_key(s), 1.0 + rng.random()))
+    search = search_recipe(START, SPACE, each(lambda stage, s: table.setdefault(recipe_key(s), 1.0 + rng.random())))
     finalists = search.finalists()
     chosen, start = recipe_key(search.chosen), recipe_key(START)
     other = next(recipe_key(f) for f in finalists if recipe_key(f) not in (chosen, start))

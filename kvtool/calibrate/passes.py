@@ -22,6 +22,7 @@ from kvtool.calibrate.truncation import TruncationResult, TruncationScores, comp
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime import attach, uniform_profile
+from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.scoring import make_scorer
 from kvtool.scoring import Batch, PromptMeanNll, References, prompt_forward, reference_continuations, teacher_forced_nll
 
@@ -243,21 +244,38 @@ STAGE_RECIPES = "recipes"
 STAGE_CONFIRM = "held-out"
 
 
-def recipe_ppl(model: Any, profile: Profile, states: Sequence[PromptState], on_step: Callable[[int], None] | None = None) -> float:
-    """Calibration PPL of `profile`'s recipe: each batch's recorded prompt compressed with its plans,
-    then its references teacher-forced through that cache; exp of the mean over prompts of each
-    prompt's mean NLL (`PromptMeanNll`: every prompt counts the same)."""
-    total = PromptMeanNll()
-    handle = attach(model, profile)
+def recipe_ppls(
+    model: Any, profiles: Sequence[Profile], states: Sequence[PromptState], on_step: Callable[[int], None] | None = None
+) -> list[float]:
+    """Calibration PPL of each profile's recipe: each batch's recorded prompt compressed with its
+    plans, then its references teacher-forced through that cache; exp of the mean over prompts of
+    each prompt's mean NLL (`PromptMeanNll`: every prompt counts the same).
+
+    The recipes run side by side: one batch holds each prompt batch once per recipe, every block of
+    rows decoded through its recipe's own cache (`runtime.grouped`). A decode step of a small model
+    on a CPU costs little more for three blocks than for one (reading the weights dominates), so a
+    search stage costs about one recipe's pass, not one per recipe."""
+    totals = [PromptMeanNll() for _ in profiles]
+    handle = attach(model, profiles[0])
     try:
         with torch.inference_mode():
             for state in states:
-                cache = compress_recorded_prompt(handle.new_cache(), state.full_cache, state.batch.attention_mask)
-                nll = teacher_forced_nll(model, cache, state.first_logits, state.batch, state.references, on_step)
-                total.add(nll, state.references.scored)
+                rows = state.batch.attention_mask.shape[0]
+                caches = [
+                    compress_recorded_prompt(handle.cache_for(p), state.full_cache, state.batch.attention_mask)
+                    for p in profiles
+                ]
+                times = len(profiles)
+                cache = caches[0] if times == 1 else GroupedCache(caches, rows)
+                nll = teacher_forced_nll(
+                    model, cache, state.first_logits.repeat(times, 1), state.batch.repeated(times),
+                    state.references.repeated(times), on_step,
+                )
+                for i, total in enumerate(totals):
+                    total.add(nll[i * rows : (i + 1) * rows], state.references.scored)
     finally:
         handle.detach()
-    return total.ppl()
+    return [total.ppl() for total in totals]
 
 
 def full_ppl(states: Sequence[PromptState]) -> PromptMeanNll:

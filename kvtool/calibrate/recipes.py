@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
@@ -223,7 +223,9 @@ def pick_recipe(search: RecipeSearch, held_out: dict[tuple, float], choosing: in
     return by_key[min(held_out, key=overall)].settings
 
 
-Measure = Callable[[str, MethodSettings], float]
+# Measures the new recipes of one stage, together (`passes.recipe_ppls` runs them side by side):
+# `measure(stage, recipes)` gives their PPLs in order.
+Measure = Callable[[str, Sequence[MethodSettings]], Sequence[float]]
 
 
 def search_recipe(
@@ -231,30 +233,34 @@ def search_recipe(
 ) -> RecipeSearch:
     """Coordinate descent over `space` from the best of `start` and `seeds` (the recipes users would
     run instead: the search starts from whichever of them measures best, so it can only improve on
-    them); `measure(stage, settings)` gives a recipe's PPL.
+    them); `measure(stage, recipes)` gives the PPLs of a stage's recipes not measured yet.
 
     A round walks every stage once; the next round starts only if the last one moved (a rule chosen
     late can change which earlier value is best: the generation rule was first tried with the
     papers' scorer), and recipes already measured are not measured again."""
     trials: dict[tuple, Trial] = {}
 
-    def tried(stage: str, settings: MethodSettings) -> Trial:
-        key = recipe_key(settings)
-        if key not in trials:
-            trials[key] = Trial(stage, settings, float(measure(stage, settings)))
-        return trials[key]
+    def tried(stage: str, options: Sequence[MethodSettings], labels: Sequence[str] = ()) -> list[Trial]:
+        new = list({recipe_key(s): s for s in options if recipe_key(s) not in trials}.values())
+        if new:
+            ppls = list(measure(stage, new))
+            if len(ppls) != len(new):
+                raise ValueError(f"measure gave {len(ppls)} PPLs for {len(new)} recipes")
+            label = dict(zip(map(recipe_key, options), labels or [stage] * len(options)))
+            for settings, ppl in zip(new, ppls):
+                trials[recipe_key(settings)] = Trial(label[recipe_key(settings)], settings, float(ppl))
+        return [trials[recipe_key(s)] for s in options]
 
-    current = tried(FIRST_STAGE, start).settings
-    for seed in seeds:
-        if tried(SEED_STAGE, seed).ppl < trials[recipe_key(current)].ppl:
-            current = seed
+    opening = tried(SEED_STAGE, [start, *seeds], [FIRST_STAGE] + [SEED_STAGE] * len(seeds))
+    # Ties keep the papers' recipe, then the earlier seed.
+    current = min(opening, key=lambda t: t.ppl).settings
     for round_ in range(1, rounds + 1):
         before = recipe_key(current)
         for stage, attr, _ in STAGES:
             if attr == "truncation_distance" and current.eviction != "fixed-point":
                 continue
             label = stage if round_ == 1 else f"{stage} ({round_})"
-            options = [tried(label, settings) for settings in stage_options(attr, current, space)]
+            options = tried(label, stage_options(attr, current, space))
             incumbent = trials[recipe_key(current)]
             best = min(options, key=lambda t: t.ppl)
             if best.ppl < incumbent.ppl:

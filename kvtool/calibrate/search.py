@@ -15,7 +15,7 @@ from kvtool.calibrate.passes import (
     PromptState,
     _Counter,
     full_ppl,
-    recipe_ppl,
+    recipe_ppls,
     reference_steps,
 )
 from kvtool.calibrate.recipes import STAGES, pick_recipe, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe, stage_options
@@ -53,10 +53,11 @@ class ChosenRecipe:
         return self.held_out[chosen] <= self.held_out[start]
 
 
-def max_trials(space: SearchSpace) -> int:
-    """Recipes the first round tries at most (the progress bar's length: D may be skipped, a second
-    round adds a few, so the bar is re-sized as it goes)."""
-    return 1 + len(space.seeds) + sum(len(stage_options(attr, MethodSettings(), space)) - 1 for _, attr, _ in STAGES)
+def max_passes(space: SearchSpace) -> int:
+    """Teacher-forced passes the first round takes at most: one for the papers' recipe and the
+    seeds, one per stage (a stage's recipes run side by side). The progress bar's length: D may be
+    skipped, a second round adds passes, so the bar is re-sized as it goes."""
+    return 1 + len(STAGES)
 
 
 def choose_recipe(
@@ -70,11 +71,11 @@ def choose_recipe(
 ) -> ChosenRecipe:
     """Search on `choosing`, then measure the finalists on `confirming`."""
     steps = reference_steps(choosing)
-    bar = _Counter(STAGE_RECIPES, max_trials(space) * steps, progress).start()
+    bar = _Counter(STAGE_RECIPES, max_passes(space) * steps, progress).start()
 
-    def measure(stage: str, settings: MethodSettings) -> float:
+    def measure(stage: str, recipes: Sequence[MethodSettings]) -> list[float]:
         bar.total = max(bar.total, bar.done + steps)  # a second round runs past the first's estimate
-        return recipe_ppl(model, profile_for(settings), choosing, bar.step)
+        return recipe_ppls(model, [profile_for(s) for s in recipes], choosing, bar.step)
 
     search = search_recipe(start, space, measure, seeds=seed_recipes(space, start))
     bar.finish()
@@ -82,9 +83,9 @@ def choose_recipe(
     held_out_full = None
     if confirming:
         finalists = search.finalists()
-        confirm = _Counter(STAGE_CONFIRM, len(finalists) * reference_steps(confirming), progress).start()
-        for settings in finalists:
-            held_out[recipe_key(settings)] = recipe_ppl(model, profile_for(settings), confirming, confirm.step)
+        confirm = _Counter(STAGE_CONFIRM, reference_steps(confirming), progress).start()
+        ppls = recipe_ppls(model, [profile_for(s) for s in finalists], confirming, confirm.step)
+        held_out = {recipe_key(s): ppl for s, ppl in zip(finalists, ppls)}
         confirm.finish()
         held_out_full = full_ppl(confirming).ppl()
     full = full_ppl(choosing)

@@ -24,6 +24,7 @@ from kvtool.profiles.budget import rebudget
 from kvtool.runtime import attention
 from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
+from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.eviction import evict_rule
 from kvtool.runtime.merge import merge_rule
@@ -120,6 +121,14 @@ class KvtoolHandle:
             plans = [p if p is None else dataclasses.replace(p, record_importance=True) for p in plans]
         return KvtoolCache(self.model.config, plans)
 
+    def cache_for(self, profile: Profile) -> KvtoolCache:
+        """A fresh cache that follows another profile of the same model (attention and hook serve
+        every kvtool cache alike): calibration runs several recipes' caches side by side."""
+        if not self.attached:
+            raise KvtoolError("this kvtool handle was detached; attach the profile again")
+        _check_fits(profile, self.model)
+        return KvtoolCache(self.model.config, layer_plans(profile))
+
     def detach(self) -> None:
         if self.attached:
             if self._hook is not None:
@@ -156,9 +165,9 @@ def _forward_pre_hook(image_tokens: tuple[int, ...]):
 
     def hook(module, args, kwargs):
         cache = kwargs.get("past_key_values")
-        if not isinstance(cache, KvtoolCache):
+        if not isinstance(cache, (KvtoolCache, GroupedCache)):
             return None
-        if image_tokens and cache.awaiting_prompt:
+        if image_tokens and isinstance(cache, KvtoolCache) and cache.awaiting_prompt:
             cache.set_image_mask(_image_mask(args, kwargs, image_tokens))
         return args, {**kwargs, CACHE_KWARG: cache}
 
@@ -176,13 +185,17 @@ def _image_mask(args: tuple, kwargs: dict, image_tokens: tuple[int, ...]) -> tor
     return mask
 
 
-def attach(model, profile: Profile) -> KvtoolHandle:
-    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model."""
+def _check_fits(profile: Profile, model) -> None:
     mismatches = profile.model.mismatches(fingerprint_of(model))
     if mismatches:
         raise KvtoolError(
             f"profile is for {profile.model.name} and does not fit this model ({'; '.join(mismatches)})"
         )
+
+
+def attach(model, profile: Profile) -> KvtoolHandle:
+    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model."""
+    _check_fits(profile, model)
     name = attention.register()
     previous = _implementations(model)
     config = model.config

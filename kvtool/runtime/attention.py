@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvtool.runtime.importance import attention_with_scores, decode_attention_with_scores, prompt_scores
+from kvtool.runtime.grouped import GroupedLayer
 from kvtool.runtime.layer import CompressingLayer
 
 ATTENTION_NAME = "kvtool"
@@ -44,9 +45,33 @@ def kvtool_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    layer = _compressing_layer(module, kwargs.pop(CACHE_KWARG, None))
+    cache = kwargs.pop(CACHE_KWARG, None)
+    grouped = _grouped_layer(module, cache)
+    if grouped is not None:
+        # Each block of rows attends to its own cache's slots (grouped.py).
+        outputs = [
+            _attend(part, module, query[b], part.keys, part.values, _rows(attention_mask, b), dropout, scaling, kwargs)
+            for part, b in zip(grouped.parts, grouped.blocks())
+        ]
+        return torch.cat([output for output, _ in outputs]), None
+    layer = _compressing_layer(module, cache)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return _attend(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def _attend(
+    layer: CompressingLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
+    """Attention through one compressing layer that has just been updated with this call's states."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if not layer.compressed:
@@ -83,6 +108,19 @@ def _compressing_layer(module: torch.nn.Module, cache) -> CompressingLayer | Non
         return None
     layer = cache.layers[layer_idx]
     return layer if isinstance(layer, CompressingLayer) else None
+
+
+def _grouped_layer(module: torch.nn.Module, cache) -> GroupedLayer | None:
+    """The grouped layer of `cache` this module just updated, when its blocks compress."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is None or layer_idx is None:
+        return None
+    layer = cache.layers[layer_idx]
+    return layer if isinstance(layer, GroupedLayer) and layer.compressing else None
+
+
+def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if mask is None else mask[rows]
 
 
 def _plain_softmax_attention(dropout: float, kwargs: dict) -> bool:

@@ -45,6 +45,18 @@ class Batch:
         following = self.attention_mask.sum(dim=1, keepdim=True)
         return following if self.position_offset is None else following + self.position_offset
 
+    def repeated(self, times: int) -> "Batch":
+        """The same prompts `times` times over, block after block, for decoding several caches of
+        them side by side (`runtime.grouped`): the prompt-only inputs (`extras`) are left out."""
+        return Batch(
+            rows=self.rows * times,
+            input_ids=self.input_ids.repeat(times, 1),
+            attention_mask=self.attention_mask.repeat(times, 1),
+            # Multimodal rotary positions are [3, B, W]: the batch is the second-last dimension.
+            position_ids=torch.cat([self.position_ids] * times, dim=-2),
+            position_offset=None if self.position_offset is None else self.position_offset.repeat(times, 1),
+        )
+
 
 def make_batches(encoded: Sequence[list[int] | Encoded], batch_size: int, pad_id: int, model: Any = None) -> list[Batch]:
     """Group prompts by length (less padding) into left-padded batches of at most `batch_size`.

@@ -102,6 +102,10 @@ class References:
     scored: torch.Tensor  # [B, L] bool
     nll_full: torch.Tensor  # [B, L] float64; 0 where not scored
 
+    def repeated(self, times: int) -> "References":
+        """The same references `times` times over, block after block (see `Batch.repeated`)."""
+        return References(*(torch.cat([t] * times) for t in (self.tokens, self.scored, self.nll_full)))
+
     @property
     def steps(self) -> int:
         """Columns up to the last scored one in any row (the forwards a teacher-forced pass needs)."""
