@@ -184,10 +184,11 @@ def test_draw_spreads_over_kinds_and_the_split_shares_every_kind():
 
 def test_the_search_space_default_covers_every_held_rule():
     assert set(SPACE.evictions) == {"fixed-point", "heavy-hitter", "tova"}
+    assert set(SPACE.scorers) == {"attention-sum", "window", "union"}
     product = list(itertools.product(
         SPACE.evictions, SPACE.scorers, SPACE.ratio_sources, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes
     ))
-    assert len(product) == 216  # times the D values of the fixed-point queue
+    assert len(product) == 324  # times the D values of the fixed-point queue
 
 
 # ----- what a searched profile records ------------------------------------------------------------
@@ -289,15 +290,18 @@ def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
     assert method_profile("h2o", tiny_llama(), 0.2, flat).method.ratios == "uniform"
 
 
-def test_the_scorer_stage_tries_the_window_scorer_once_per_pool_width():
+def test_the_scorer_stage_tries_the_window_scorers_once_per_pool_width():
     from kvtool.calibrate.recipes import stage_options
 
     options = stage_options("scorer", START, SearchSpace(pools=(1, 7, 31)))
-    assert [(s.scorer, s.pool) for s in options] == [("attention-sum", START.pool), ("window", 1), ("window", 7), ("window", 31)]
-    # The pool tells window recipes apart and is ignored for the scorer that does not pool.
-    assert len({recipe_key(s) for s in options}) == 4
+    assert [(s.scorer, s.pool) for s in options] == [("attention-sum", START.pool)] + [
+        (scorer, pool) for scorer in ("window", "union") for pool in (1, 7, 31)
+    ]
+    # The pool tells window and union recipes apart and is ignored for the scorer that does not pool.
+    assert len({recipe_key(s) for s in options}) == 7
     assert recipe_key(dataclasses.replace(START, pool=31)) == recipe_key(START)
-    assert "pool 31" in describe(options[-1]) and "pool" not in describe(START)
+    assert "pool 31" in describe(options[3]) and "pool" not in describe(START)
+    assert describe(options[-1]).split(" · ")[1] == "union (window 32, pool 31)"
 
 
 def test_a_pool_width_only_the_window_scorer_rewards_is_found():
@@ -364,3 +368,53 @@ def test_a_choice_the_held_out_prompts_reject_falls_back_to_the_best_finalist_ov
     overall = lambda k: (5 * math.log(search.ppl_of(next(t.settings for t in search.trials if recipe_key(t.settings) == k))) + 5 * math.log(rejected[k])) / 10  # noqa: E731
     expected = min(rejected, key=overall)
     assert recipe_key(pick_recipe(search, rejected, 5, 5)) == expected != chosen
+
+
+def test_each_stage_hands_its_new_recipes_over_together():
+    """`measure` runs a stage's recipes side by side (passes.recipe_ppls): one call per stage with
+    every new recipe of it, the papers' recipe and the seeds in the first; nothing measured twice."""
+    from kvtool.calibrate.recipes import SEED_STAGE, seed_recipes, stage_options
+
+    space = SearchSpace()
+    seeds = seed_recipes(space, START)
+    calls = []
+
+    def measure(stage, recipes):
+        calls.append((stage, list(recipes)))
+        return [1.0 if s.scorer == "window" and s.pool == 31 else 2.0 for s in recipes]
+
+    search = search_recipe(START, space, measure, seeds=seeds)
+    assert calls[0] == (FIRST_STAGE, [START, *seeds])
+    scorer = next(recipes for stage, recipes in calls if stage == "scorer")
+    assert len(scorer) >= len(stage_options("scorer", START, space)) - 1  # all but the incumbent
+    keys = [recipe_key(s) for _, recipes in calls for s in recipes]
+    assert len(keys) == len(set(keys)) == len(search.trials)
+    assert [t.stage for t in search.trials[:3]] == ["start", SEED_STAGE, SEED_STAGE]
+    with pytest.raises(ValueError, match="PPLs for"):
+        search_recipe(START, space, lambda stage, recipes: [1.0])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_passes_that_look_ahead_choose_the_same_recipe_in_fewer_passes(seed):
+    """With room for several recipes per pass the search also measures the next stages' recipes
+    around the current one; its choices must be those of one stage per pass."""
+    from kvtool.calibrate.recipes import seed_recipes
+
+    rng = random.Random(seed)
+    table: dict = {}
+    noisy = lambda stage, s: table.setdefault(recipe_key(s), 1.0 + rng.random())  # noqa: E731
+    space = SearchSpace()
+    seeds = seed_recipes(space, START)
+    passes = {1: [], 6: []}
+    searches = {}
+    for per_pass, calls in passes.items():
+        def measure(stage, recipes, calls=calls):
+            calls.append(len(recipes))
+            return [noisy(stage, s) for s in recipes]
+
+        searches[per_pass] = search_recipe(START, space, measure, seeds=seeds, per_pass=per_pass)
+    one, ahead = searches[1], searches[6]
+    assert recipe_key(ahead.chosen) == recipe_key(one.chosen)
+    assert {recipe_key(t.settings) for t in one.trials} <= {recipe_key(t.settings) for t in ahead.trials}
+    assert len(passes[6]) < len(passes[1])
+    assert max(passes[6][1:]) <= max(6, max(passes[1]))  # a stage alone may exceed the room

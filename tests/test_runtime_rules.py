@@ -79,6 +79,18 @@ def brute_force_pool(raw: list[float], window: int, pool: int) -> list[float]:
     ]
 
 
+def brute_force_union(asked: list[float], read: list[float]) -> list[float]:
+    """The better of a column's two ranks (1/n = lowest score, 1 = top; ties by position)."""
+    def share(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda t: (values[t], t))
+        out = [0.0] * len(values)
+        for rank, t in enumerate(order):
+            out[t] = (rank + 1) / len(values)
+        return out
+
+    return [max(a, b) for a, b in zip(share(asked), share(read))]
+
+
 def random_prompt(real: list[int], dtype=torch.float64):
     n = max(real)
     g = torch.Generator().manual_seed(11)
@@ -245,11 +257,14 @@ def eager_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:
 def reference_scores(att: torch.Tensor, scorer: str, window: int, pool: int) -> torch.Tensor:
     """[Hkv, n] per-head scores (averaged over each KV head's query heads), pooled like the runtime."""
     hq, n, _ = att.shape
-    raw = att.sum(dim=1) if scorer == "attention-sum" else att[:, -window:].sum(dim=1)
-    raw = raw.view(hq // GROUPS, GROUPS, n).mean(dim=1)
-    if scorer == "window":
-        raw = torch.tensor([brute_force_pool(row.tolist(), window, pool) for row in raw], dtype=torch.float64)
-    return raw
+    total = att.sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
+    if scorer == "attention-sum":
+        return total
+    raw = att[:, -window:].sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
+    pooled = [brute_force_pool(row.tolist(), window, pool) for row in raw]
+    if scorer == "union":
+        pooled = [brute_force_union(a, b.tolist()) for a, b in zip(pooled, total)]
+    return torch.tensor(pooled, dtype=torch.float64)
 
 
 def brute_force_anchors(score: list[float], keep: int, recent: int) -> list[int]:
@@ -331,6 +346,9 @@ CASES = {
     # A recent share protects ceil(share * keep) recent tokens when that is more than the window.
     "shared-window-h2o-share-half": ("shared", "window", 4, 3, "none", "heavy-hitter", 0.5),
     "per-head-sum-fixed-point-share": ("per-head", "attention-sum", 1, 1, "position", "fixed-point", 0.3),
+    "per-head-union-tova": ("per-head", "union", 4, 3, "none", "tova"),
+    "shared-union-h2o-position": ("shared", "union", 6, 7, "position", "heavy-hitter"),
+    "shared-union-fixed-point-share": ("shared", "union", 1, 1, "none", "fixed-point", 0.4),
 }
 
 
@@ -345,7 +363,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
     profile = recipe_profile(model, merge=merge)
     plans = rules_plans(profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule, recent_share=share)
     steps = torch.randint(3, 97, (44,), generator=torch.Generator().manual_seed(7)).tolist()
-    recent = max(RECENT, window) if scorer == "window" else RECENT
+    recent = max(RECENT, window) if scorer in ("window", "union") else RECENT
 
     with torch.no_grad():
         maps = eager_maps(model, ids)
@@ -359,9 +377,12 @@ def test_compressed_decoding_matches_per_head_reference(case):
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
             if not per_head:
                 score = score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
-                if scorer == "window":  # shared layers pool the head-averaged score
+                if scorer in ("window", "union"):  # shared layers pool the head-averaged score
                     raw = maps[index][:, -window:].sum(dim=1).mean(dim=0)
-                    score = torch.tensor(brute_force_pool(raw.tolist(), window, pool))[None].expand(KV_HEADS, n)
+                    pooled = brute_force_pool(raw.tolist(), window, pool)
+                    if scorer == "union":
+                        pooled = brute_force_union(pooled, maps[index].sum(dim=1).mean(dim=0).tolist())
+                    score = torch.tensor(pooled)[None].expand(KV_HEADS, n)
                 h2o_score = h2o_score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
             frozen = max(keep - DIST, min(SINK, keep)) if rule == "fixed-point" else min(SINK, keep)
             kv = full.layers[index]
@@ -415,6 +436,8 @@ BATCH_CASES = {
     "per-head-window-prompt-only": dict(heads="per-head", scorer="window", window=4, pool=7, evict="prompt-only"),
     "per-head-window-tova-share": dict(heads="per-head", scorer="window", window=4, pool=3, evict="tova", recent_share=0.4),
     "shared-sum-h2o-share": dict(evict="heavy-hitter", recent_share=0.5),
+    "per-head-union-tova": dict(heads="per-head", scorer="union", window=8, pool=7, evict="tova"),
+    "shared-union-fixed-point": dict(scorer="union", window=4, pool=3),
 }
 
 

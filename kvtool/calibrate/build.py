@@ -15,6 +15,7 @@ from kvtool import __version__
 from kvtool.profiles.allocation import Allocation, solve_from_samples
 from kvtool.profiles.budget import floor_for, solve_ratios, stored_p
 from kvtool.profiles.lorenz import mean_curve
+from kvtool.profiles.schema import WINDOW_SCORERS
 from kvtool.calibrate.statistics import ImportanceStats
 from kvtool.calibrate.recipes import recipe_key
 from kvtool.calibrate.search import ChosenRecipe
@@ -141,8 +142,8 @@ def with_calibration(
                     stage=t.stage, scorer=t.settings.scorer, heads=t.settings.heads, eviction=t.settings.eviction,
                     recent_share=t.settings.recent_share, merge=t.settings.merge,
                     truncation_distance=t.settings.truncation_distance, ppl=t.ppl, ratios=t.settings.ratios,
-                    window=t.settings.window if t.settings.scorer == "window" else None,
-                    pool=t.settings.pool if t.settings.scorer == "window" else None,
+                    window=t.settings.window if t.settings.scorer in WINDOW_SCORERS else None,
+                    pool=t.settings.pool if t.settings.scorer in WINDOW_SCORERS else None,
                     selection=t.settings.selection,
                     held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
                 )

@@ -21,6 +21,7 @@ from kvtool.calibrate.statistics import ImportanceStats, LayerImportance, Prompt
 from kvtool.calibrate.truncation import TruncationResult, TruncationScores, compress_recorded_prompt, score_candidates
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
+from kvtool.profiles.schema import WINDOW_SCORERS
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.scoring import make_scorer
@@ -105,8 +106,8 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
 
 def scorer_key(settings: MethodSettings) -> str:
     """Names a scorer with what changes its scores (the window scorer's window and pool)."""
-    if settings.scorer == "window":
-        return f"window {settings.window} pool {settings.pool}"
+    if settings.scorer in WINDOW_SCORERS:
+        return f"{settings.scorer} {settings.window} pool {settings.pool}"
     return settings.scorer
 
 

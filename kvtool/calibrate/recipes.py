@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import EVICTION_RULES, MERGE_MODES, MethodSettings
-from kvtool.profiles.schema import HEAD_MODES, RATIO_SOURCES, SCORERS
+from kvtool.profiles.schema import HEAD_MODES, RATIO_SOURCES, SCORERS, WINDOW_SCORERS
 from kvtool.runtime.methods import method_settings
 
 # Prompt selections the search may choose: top-k by score beside sinks and the recent share, or
@@ -133,7 +133,7 @@ def recipe_key(settings: MethodSettings) -> tuple:
     """What tells two recipes apart: D only matters to the fixed-point queue, window and pool width
     only to the window scorer, the recent share only to the selection that reserves it."""
     distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
-    window = (settings.window, settings.pool) if settings.scorer == "window" else None
+    window = (settings.window, settings.pool) if settings.scorer in WINDOW_SCORERS else None
     share = settings.recent_share if settings.selection == "importance" else None
     return (
         settings.eviction, settings.selection, settings.scorer, window, settings.ratios, settings.heads, share,
@@ -148,7 +148,7 @@ def stage_options(attr: str, current: MethodSettings, space: SearchSpace) -> lis
     values = getattr(space, next(v for _, a, v in STAGES if a == attr))
     options = []
     for value in values:
-        if attr == "scorer" and value == "window":
+        if attr == "scorer" and value in WINDOW_SCORERS:
             options += [
                 dataclasses.replace(current, scorer=value, window=window, pool=pool)
                 for window in space.windows for pool in space.pools
@@ -165,7 +165,9 @@ def describe(settings: MethodSettings) -> str:
         parts[0] += f" D{settings.truncation_distance}"
     if settings.selection != "importance":
         parts.append(f"{settings.selection} selection")
-    scorer = f"window {settings.window} (pool {settings.pool})" if settings.scorer == "window" else settings.scorer
+    scorer = settings.scorer
+    if settings.scorer in WINDOW_SCORERS:
+        scorer = f"window {settings.window} (pool {settings.pool})" if scorer == "window" else f"{scorer} (window {settings.window}, pool {settings.pool})"
     recent = f"recent {settings.recent_share:.0%}" if settings.selection == "importance" else "recent half"
     parts += [scorer, f"ratios {settings.ratios}", settings.heads, recent, f"merge {settings.merge}"]
     return " · ".join(parts)
@@ -229,40 +231,76 @@ Measure = Callable[[str, Sequence[MethodSettings]], Sequence[float]]
 
 
 def search_recipe(
-    start: MethodSettings, space: SearchSpace, measure: Measure, rounds: int = 2, seeds: tuple[MethodSettings, ...] = ()
+    start: MethodSettings,
+    space: SearchSpace,
+    measure: Measure,
+    rounds: int = 2,
+    seeds: tuple[MethodSettings, ...] = (),
+    per_pass: int = 1,
 ) -> RecipeSearch:
     """Coordinate descent over `space` from the best of `start` and `seeds` (the recipes users would
     run instead: the search starts from whichever of them measures best, so it can only improve on
-    them); `measure(stage, recipes)` gives the PPLs of a stage's recipes not measured yet.
+    them); `measure(stage, recipes)` gives the PPLs of recipes not measured yet.
 
     A round walks every stage once; the next round starts only if the last one moved (a rule chosen
     late can change which earlier value is best: the generation rule was first tried with the
-    papers' scorer), and recipes already measured are not measured again."""
+    papers' scorer), and recipes already measured are not measured again.
+
+    Each call to `measure` is one teacher-forced pass with its recipes side by side, and a pass of
+    a few recipes costs little more than a pass of one. So a stage with room left (fewer than
+    `per_pass` new recipes) also hands over the next stages' recipes as they would be if the
+    current recipe survives this stage: when it does, those stages need no pass of their own; when
+    it does not, they are measured again around the new recipe, and the extra ones are simply
+    further recipes tried. The choices are the same as with `per_pass = 1`."""
     trials: dict[tuple, Trial] = {}
 
-    def tried(stage: str, options: Sequence[MethodSettings], labels: Sequence[str] = ()) -> list[Trial]:
-        new = list({recipe_key(s): s for s in options if recipe_key(s) not in trials}.values())
-        if new:
-            ppls = list(measure(stage, new))
-            if len(ppls) != len(new):
-                raise ValueError(f"measure gave {len(ppls)} PPLs for {len(new)} recipes")
-            label = dict(zip(map(recipe_key, options), labels or [stage] * len(options)))
-            for settings, ppl in zip(new, ppls):
-                trials[recipe_key(settings)] = Trial(label[recipe_key(settings)], settings, float(ppl))
-        return [trials[recipe_key(s)] for s in options]
+    def fresh(options: Sequence[MethodSettings], taken: dict[tuple, tuple[str, MethodSettings]]) -> list[MethodSettings]:
+        return list({recipe_key(s): s for s in options if recipe_key(s) not in trials and recipe_key(s) not in taken}.values())
 
-    opening = tried(SEED_STAGE, [start, *seeds], [FIRST_STAGE] + [SEED_STAGE] * len(seeds))
+    def run(batch: dict[tuple, tuple[str, MethodSettings]]) -> None:
+        if not batch:
+            return
+        labels, recipes = zip(*batch.values())
+        ppls = list(measure(labels[0], recipes))
+        if len(ppls) != len(recipes):
+            raise ValueError(f"measure gave {len(ppls)} PPLs for {len(recipes)} recipes")
+        for key, label, settings, ppl in zip(batch, labels, recipes, ppls):
+            trials[key] = Trial(label, settings, float(ppl))
+
+    opening = {recipe_key(start): (FIRST_STAGE, start)}
+    for seed in seeds:
+        opening.setdefault(recipe_key(seed), (SEED_STAGE, seed))
+    run(opening)
     # Ties keep the papers' recipe, then the earlier seed.
-    current = min(opening, key=lambda t: t.ppl).settings
+    current = min((trials[recipe_key(s)] for s in (start, *seeds)), key=lambda t: t.ppl).settings
     for round_ in range(1, rounds + 1):
         before = recipe_key(current)
-        for stage, attr, _ in STAGES:
+        walk = [
+            (stage if round_ == 1 else f"{stage} ({round_})", attr)
+            for stage, attr, _ in STAGES
+        ]
+
+        def stage_recipes(attr: str) -> list[MethodSettings]:
             if attr == "truncation_distance" and current.eviction != "fixed-point":
+                return []
+            return stage_options(attr, current, space)
+
+        for index, (label, attr) in enumerate(walk):
+            options = stage_recipes(attr)
+            if not options:
                 continue
-            label = stage if round_ == 1 else f"{stage} ({round_})"
-            options = tried(label, stage_options(attr, current, space))
+            batch: dict[tuple, tuple[str, MethodSettings]] = {}
+            for s in fresh(options, batch):
+                batch[recipe_key(s)] = (label, s)
+            for later_label, later_attr in walk[index + 1 :]:
+                ahead = fresh(stage_recipes(later_attr), batch)
+                if len(batch) + len(ahead) > per_pass:
+                    break
+                for s in ahead:
+                    batch[recipe_key(s)] = (later_label, s)
+            run(batch)
             incumbent = trials[recipe_key(current)]
-            best = min(options, key=lambda t: t.ppl)
+            best = min((trials[recipe_key(s)] for s in options), key=lambda t: t.ppl)
             if best.ppl < incumbent.ppl:
                 current = best.settings
         if recipe_key(current) == before:
@@ -277,7 +315,7 @@ def brute_force(start: MethodSettings, space: SearchSpace, measure: Callable[[Me
         distances = space.distances if eviction == "fixed-point" else (start.truncation_distance,)
         scorers = [
             (s, w, p) for s in space.scorers
-            for w, p in (itertools.product(space.windows, space.pools) if s == "window" else ((start.window, start.pool),))
+            for w, p in (itertools.product(space.windows, space.pools) if s in WINDOW_SCORERS else ((start.window, start.pool),))
         ]
         for selection, (scorer, window, pool), ratios in itertools.product(space.selections, scorers, space.ratio_sources):
             for heads, share, merge, distance in itertools.product(space.heads, space.recent_shares, space.merge_modes, distances):

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from kvtool.cli.app import inspect_app
 from kvtool.profiles import Profile, profile_to_dict, read_profile
-from kvtool.profiles.schema import CalibrationInfo, LayerProfile
+from kvtool.profiles.schema import WINDOW_SCORERS, CalibrationInfo, LayerProfile
 
 _BAR_WIDTH = 20
 # Eighth blocks give the bar sub-character resolution, so 0.20 and 0.22 look different.
@@ -91,7 +91,7 @@ def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
 
 def _method_rows(profile: Profile) -> list[tuple[str, str]]:
     s = profile.method
-    scorer = s.scorer if s.scorer != "window" else f"window (last {s.window} rows, pool {s.pool})"
+    scorer = s.scorer if s.scorer not in WINDOW_SCORERS else f"{s.scorer} (last {s.window} rows, pool {s.pool})"
     return [
         (
             "Recipe",
@@ -198,14 +198,14 @@ def recipe_table(profile) -> Table:
         chosen = (t.eviction, t.selection, t.scorer, t.ratios, t.heads, t.merge) == (
             method.eviction, method.selection, method.scorer, method.ratios, method.heads, method.merge
         ) and (t.eviction != "fixed-point" or t.truncation_distance == method.truncation_distance) and (
-            t.scorer != "window" or (t.window in (None, method.window) and t.pool in (None, method.pool))
+            t.scorer not in WINDOW_SCORERS or (t.window in (None, method.window) and t.pool in (None, method.pool))
         ) and (t.selection != "importance" or t.recent_share == method.recent_share)
         rule = f"{t.eviction} D{t.truncation_distance}" if t.eviction == "fixed-point" else t.eviction
         if t.selection != "importance":
             rule += f" · {t.selection} sel."
         scorer = t.scorer
-        if t.scorer == "window" and t.pool is not None:
-            scorer = f"window {t.window or ''}/{t.pool}"
+        if t.scorer in WINDOW_SCORERS and t.pool is not None:
+            scorer = f"{t.scorer} {t.window or ''}/{t.pool}"
         recent = f"{t.recent_share:.0%}" if t.selection == "importance" else "half"
         table.add_row(
             t.stage.replace("generation rule", "rule").replace("recent share", "recent"),

@@ -21,7 +21,9 @@ MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "simila
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
 EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter", "tova", "prompt-only")
 # What a prompt token is worth (kvtool.runtime.scoring) and whether KV heads choose their own entries.
-SCORERS = ("attention-sum", "window")
+SCORERS = ("attention-sum", "window", "union")
+# The scorers that read the observation window and max-pool it (their window and pool matter).
+WINDOW_SCORERS = ("window", "union")
 HEAD_MODES = ("shared", "per-head")
 # Where the per-layer ratios come from: the Lorenz curves of the profile's scorer, PrefixKV's
 # attention-sum curves whatever the scorer, or the budget in every layer.

@@ -5,19 +5,20 @@ from __future__ import annotations
 from kvtool.errors import KvtoolError
 from kvtool.runtime.scoring.attention_sum import AttentionSum
 from kvtool.runtime.scoring.base import Scorer
+from kvtool.runtime.scoring.union import UnionScorer
 from kvtool.runtime.scoring.window import WindowScorer, pool_before_window
 
-SCORERS: dict[str, type[Scorer]] = {rule.name: rule for rule in (AttentionSum, WindowScorer)}
+SCORERS: dict[str, type[Scorer]] = {rule.name: rule for rule in (AttentionSum, WindowScorer, UnionScorer)}
 
 
 def make_scorer(name: str, *, window: int, pool: int) -> Scorer:
-    """The scorer `name`; `window` and `pool` configure `window` and are ignored by the others."""
-    if name == WindowScorer.name:
-        return WindowScorer(window=window, pool=pool)
+    """The scorer `name`; `window` and `pool` configure the scorers that read the observation
+    window (`window`, `union`) and are ignored by the others."""
     try:
-        return SCORERS[name]()
+        rule = SCORERS[name]
     except KeyError:
         raise KvtoolError(f"unknown scorer {name!r} (known: {', '.join(SCORERS)})") from None
+    return rule(window=window, pool=pool) if issubclass(rule, WindowScorer) else rule()
 
 
-__all__ = ["SCORERS", "AttentionSum", "Scorer", "WindowScorer", "make_scorer", "pool_before_window"]
+__all__ = ["SCORERS", "AttentionSum", "Scorer", "UnionScorer", "WindowScorer", "make_scorer", "pool_before_window"]
