@@ -131,7 +131,7 @@ SEED_STAGE = "seed"
 
 def recipe_key(settings: MethodSettings) -> tuple:
     """What tells two recipes apart: D only matters to the fixed-point queue, window and pool width
-    only to the window scorer, the recent share only to the selection that reserves it."""
+    only to the scorers that read the window, the recent share only to the selection that reserves it."""
     distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
     window = (settings.window, settings.pool) if settings.scorer in WINDOW_SCORERS else None
     share = settings.recent_share if settings.selection == "importance" else None
@@ -275,10 +275,7 @@ def search_recipe(
     current = min((trials[recipe_key(s)] for s in (start, *seeds)), key=lambda t: t.ppl).settings
     for round_ in range(1, rounds + 1):
         before = recipe_key(current)
-        walk = [
-            (stage if round_ == 1 else f"{stage} ({round_})", attr)
-            for stage, attr, _ in STAGES
-        ]
+        walk = [(stage if round_ == 1 else f"{stage} ({round_})", attr) for stage, attr, _ in STAGES]
 
         def stage_recipes(attr: str) -> list[MethodSettings]:
             if attr == "truncation_distance" and current.eviction != "fixed-point":

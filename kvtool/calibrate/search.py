@@ -18,7 +18,7 @@ from kvtool.calibrate.passes import (
     recipe_ppls,
     reference_steps,
 )
-from kvtool.calibrate.recipes import STAGES, pick_recipe, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe, stage_options
+from kvtool.calibrate.recipes import STAGES, pick_recipe, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.profiles import MethodSettings, Profile
 
@@ -59,11 +59,10 @@ class ChosenRecipe:
 ROWS_PER_PASS = 30
 
 
-def max_passes(space: SearchSpace) -> int:
-    """Teacher-forced passes the first round takes at most: one for the papers' recipe and the
-    seeds, one per stage (a stage's recipes run side by side). The progress bar's length: D may be
-    skipped, a second round adds passes, so the bar is re-sized as it goes."""
-    return 1 + len(STAGES)
+# Teacher-forced passes the first round takes at most: one for the papers' recipe and the seeds,
+# one per stage (a stage's recipes run side by side). The progress bar's first length: look-ahead
+# saves passes, a second round adds some, so the bar is re-sized as it goes.
+MAX_PASSES = 1 + len(STAGES)
 
 
 def choose_recipe(
@@ -77,7 +76,7 @@ def choose_recipe(
 ) -> ChosenRecipe:
     """Search on `choosing`, then measure the finalists on `confirming`."""
     steps = reference_steps(choosing)
-    bar = _Counter(STAGE_RECIPES, max_passes(space) * steps, progress).start()
+    bar = _Counter(STAGE_RECIPES, MAX_PASSES * steps, progress).start()
 
     def measure(stage: str, recipes: Sequence[MethodSettings]) -> list[float]:
         bar.total = max(bar.total, bar.done + steps)  # a second round runs past the first's estimate
