@@ -105,7 +105,7 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
 
 
 def scorer_key(settings: MethodSettings) -> str:
-    """Names a scorer with what changes its scores (the window scorer's window and pool)."""
+    """Names a scorer with what changes its scores (window and pool, for the scorers that read them)."""
     if settings.scorer in WINDOW_SCORERS:
         return f"{settings.scorer} {settings.window} pool {settings.pool}"
     return settings.scorer

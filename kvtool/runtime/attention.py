@@ -45,17 +45,15 @@ def kvtool_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    cache = kwargs.pop(CACHE_KWARG, None)
-    grouped = _grouped_layer(module, cache)
-    if grouped is not None:
+    layer = _cache_layer(module, kwargs.pop(CACHE_KWARG, None))
+    if isinstance(layer, GroupedLayer) and layer.compressing:
         # Each block of rows attends to its own cache's slots (grouped.py).
         outputs = [
             _attend(part, module, query[b], part.keys, part.values, _rows(attention_mask, b), dropout, scaling, kwargs)
-            for part, b in zip(grouped.parts, grouped.blocks())
+            for part, b in zip(layer.parts, layer.blocks())
         ]
         return torch.cat([output for output, _ in outputs]), None
-    layer = _compressing_layer(module, cache)
-    if layer is None:
+    if not isinstance(layer, CompressingLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return _attend(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
@@ -100,23 +98,13 @@ def _attend(
     return out
 
 
-def _compressing_layer(module: torch.nn.Module, cache) -> CompressingLayer | None:
-    """The kvtool layer of `cache` this attention module just updated; None for every other layer
-    (sliding-window layers, layers planned uncompressed) and for calls that carry no kvtool cache."""
+def _cache_layer(module: torch.nn.Module, cache):
+    """The layer of `cache` this attention module just updated (kvtool's, grouped, or one kvtool
+    leaves alone such as a sliding window); None for calls that carry no kvtool cache."""
     layer_idx = getattr(module, "layer_idx", None)
     if cache is None or layer_idx is None:
         return None
-    layer = cache.layers[layer_idx]
-    return layer if isinstance(layer, CompressingLayer) else None
-
-
-def _grouped_layer(module: torch.nn.Module, cache) -> GroupedLayer | None:
-    """The grouped layer of `cache` this module just updated, when its blocks compress."""
-    layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None:
-        return None
-    layer = cache.layers[layer_idx]
-    return layer if isinstance(layer, GroupedLayer) and layer.compressing else None
+    return cache.layers[layer_idx]
 
 
 def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
