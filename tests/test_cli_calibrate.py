@@ -196,6 +196,21 @@ def test_inspect_gini_missing_profile(tmp_path: Path, monkeypatch, capsys) -> No
     assert code == 2 and "no such profile file" in stderr
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("nosuch",), "No such command 'nosuch'"),
+        (("inspect", "recipe", "x.yaml"), "No such command 'recipe'"),
+        (("calibrate", "smollm2", "--nosuch"), "No such option: --nosuch"),
+        (("calibrate", "smollm2", "--budget", "lots"), "Invalid value for '--budget'"),
+    ],
+)
+def test_usage_errors_are_messages_not_tracebacks(args, message, monkeypatch, capsys) -> None:
+    code, _, stderr = run(monkeypatch, capsys, *args)
+    assert code == 2 and message in stderr
+    assert "Traceback" not in stderr
+
+
 # --------------------------------------------------------------------------- the real model
 
 

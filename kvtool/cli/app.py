@@ -38,10 +38,21 @@ def main() -> None:
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except Exception as exc:  # click usage errors carry their own formatting
-        import click
-
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:
+        if _is_usage_error(exc):
             exc.show()
             sys.exit(exc.exit_code)
         raise
+
+
+def _is_usage_error(exc: Exception) -> bool:
+    """Whether `exc` is a command-line usage error (unknown command or option, bad value), which
+    prints its own one-line message. Typer >= 0.2x raises those from its own copy of click, whose
+    classes are not click's, so both are recognised."""
+    import click
+
+    classes: tuple[type, ...] = (click.ClickException,)
+    vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
+    if isinstance(vendored, type):
+        classes += (vendored,)
+    return isinstance(exc, classes) and callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None), int)
