@@ -22,6 +22,7 @@ import torch
 from kvtool.bench.config import WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchConfig
 from kvtool.bench.peak import peak_memory_method, release_memory, track_peak
 from kvtool.errors import KvtoolError
+from kvtool.models.forward import with_cache
 from kvtool.profiles import Profile
 from kvtool.runtime import attach
 from kvtool.runtime.attach import layer_plans
@@ -170,7 +171,7 @@ def run_once(
         cache = make_cache()
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
         if after_prefill is not None:
             after_prefill(cache)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -179,7 +180,7 @@ def run_once(
         for step in range(new_tokens):
             position = torch.full((bsz, 1), n + step, device=device)
             out = model(
-                input_ids=token, past_key_values=cache, position_ids=position, use_cache=True, logits_to_keep=1
+                input_ids=token, position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache)
             )
             token = out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)

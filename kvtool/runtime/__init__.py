@@ -2,7 +2,7 @@
 
     profile = load_profile("profile.yaml")          # or uniform_profile(model, budget=0.2)
     handle = attach(model, profile)
-    out = model.generate(**inputs, past_key_values=handle.new_cache(), max_new_tokens=256)
+    out = model.generate(**inputs, cache=handle.new_cache(), max_new_tokens=256)  # < 5.24: past_key_values=
     handle.detach()
 """
 

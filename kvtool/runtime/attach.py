@@ -12,6 +12,7 @@ import torch
 
 from kvtool import __version__
 from kvtool.errors import KvtoolError
+from kvtool.models.forward import passed_cache
 from kvtool.models.vision import image_token_ids
 from kvtool.profiles import (
     LayerProfile,
@@ -157,14 +158,14 @@ def _implementations(model) -> dict:
 
 def _forward_pre_hook(image_tokens: tuple[int, ...]):
     """The hook `attach` registers on the model (torch's public `register_forward_pre_hook(...,
-    with_kwargs=True)`). For a call whose `past_key_values` is a KvtoolCache it passes the cache on to
+    with_kwargs=True)`). For a call whose cache (`cache` or `past_key_values`) is a KvtoolCache it passes the cache on to
     the attention function under CACHE_KWARG (attention.py says why), and on the forward that fills
     the cache hands it the prompt's image-token mask: `input_ids` in `image_tokens` and not padding
     (vision-language models; `image_tokens` is empty for text models). Calls with any other cache
     pass through untouched."""
 
     def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)
         if not isinstance(cache, (KvtoolCache, GroupedCache)):
             return None
         if image_tokens and isinstance(cache, KvtoolCache) and cache.awaiting_prompt:

@@ -9,8 +9,8 @@ How the function finds its cache layer. transformers calls an AttentionInterface
 attention module, query/key/value, the mask, and the extra keyword arguments the model's forward
 was called with (its documented way to give an attention function new inputs: "models supporting
 AttentionInterface propagate kwargs to attention layers and the attention function"). The cache
-itself does not arrive: the attention module takes `past_key_values` as a named argument and only
-calls `past_key_values.update(key, value, self.layer_idx)` with it. So `attach` registers a forward
+itself does not arrive: the attention module takes it as a named argument (`cache`, or
+`past_key_values` before transformers 5.24) and only calls its `update(key, value, self.layer_idx)`. So `attach` registers a forward
 pre-hook on the model (torch's public hook API) that passes each call's KvtoolCache on under
 `CACHE_KWARG`, and the attention function reads `cache.layers[module.layer_idx]`: the layer the
 module has just updated, by the very index it updated it with. Each call carries its own cache, so

@@ -37,7 +37,7 @@ class KvtoolCache(DynamicCache):
         """Which prompt positions are image tokens ([B, n] bool, False on padding); before the prompt.
 
         `attach` sets it from the input ids through a forward pre-hook on the model, so a plain
-        `model.generate(**inputs, past_key_values=cache)` needs nothing more. Every compressing layer
+        `model.generate(**inputs, cache=cache)` (`past_key_values=cache`) needs nothing more. Every compressing layer
         hands it to its selection rule; the cache keeps it for inspection (`image_mask`).
         """
         self.image_mask = None if image_mask is None else image_mask.to(torch.bool)

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from kvtool.errors import KvtoolError
+from kvtool.models.forward import with_cache
 from kvtool.models.loader import eos_token_ids
 from kvtool.models.prompts import format_prompts
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
@@ -98,7 +99,7 @@ def generate(
         started = time.perf_counter()
         sequences = model.generate(
             **inputs,
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             stopping_criteria=StoppingCriteriaList([clock]),

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvtool.models.forward import with_cache
 from kvtool.scoring.batches import Batch
 
 StepHook = Callable[[], None]
@@ -45,7 +46,7 @@ def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
         input_ids=batch.input_ids.to(device),
         attention_mask=batch.attention_mask.to(device),
         position_ids=batch.position_ids.to(device),
-        past_key_values=cache,
+        **with_cache(model, cache),
         use_cache=True,
         logits_to_keep=1,
         **extras,
@@ -85,7 +86,7 @@ def step_tokens(
 
 
 def _forward(model: Any, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
-    out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+    out = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True, **with_cache(model, cache))
     return out.logits[:, -1]
 
 
