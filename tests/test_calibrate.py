@@ -546,3 +546,30 @@ def test_window_curves_are_recorded_per_pool_width(tiny: LoadedModel) -> None:
     one, seven = (measured.stats_by_scorer[scorer_key(v)] for v in variants)
     assert scorer_key(variants[0]) != scorer_key(variants[1])
     assert one.curves.shape == seven.curves.shape and not np.allclose(one.curves, seven.curves)
+
+
+def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel, tmp_path: Path) -> None:
+    """With window shares in the space, every union trial records its share, the union's curves are
+    kept per share, and the profile written runs the share it chose."""
+    from kvtool.calibrate.passes import scorer_key
+    from kvtool.calibrate.recipes import SearchSpace
+    from kvtool.runtime import load_profile
+    from kvtool.runtime.attach import layer_plans
+
+    records = [dataclasses.replace(r, kind=("a", "b")[i % 2]) for i, r in enumerate(word_prompts(8))]
+    space = SearchSpace(
+        evictions=("tova",), selections=("importance",), scorers=("union",), windows=(4,), pools=(3,),
+        ratio_sources=("scorer",), heads=("shared",), recent_shares=(0.0,), merge_modes=("none",),
+        window_shares=(0.5, 0.7, 0.85), seeds=(),
+    )
+    out = tmp_path / "share.yaml"
+    run = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0,), search=space, out=out)
+    unions = [t for t in run.profile.calibration.recipes if t.scorer == "union"]
+    assert {t.window_share for t in unions} == {0.5, 0.7, 0.85}
+    chosen = run.profile.method
+    assert chosen.scorer == "union" and chosen.window_share == min(unions, key=lambda t: t.ppl).window_share
+    assert len({scorer_key(dataclasses.replace(chosen, window_share=f)) for f in (0.5, 0.7, 0.85)}) == 3
+    loaded = load_profile(out)
+    assert loaded.method == chosen
+    plans = [p for p in layer_plans(loaded) if p is not None]
+    assert plans and all(p.window_share == chosen.window_share and p.scoring.window_share == chosen.window_share for p in plans)

@@ -293,7 +293,7 @@ def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
 def test_the_scorer_stage_tries_the_window_scorers_once_per_pool_width():
     from kvtool.calibrate.recipes import stage_options
 
-    options = stage_options("scorer", START, SearchSpace(pools=(1, 7, 31)))
+    options = stage_options("scorer", START, SearchSpace(pools=(1, 7, 31), window_shares=(0.5,)))
     assert [(s.scorer, s.pool) for s in options] == [("attention-sum", START.pool)] + [
         (scorer, pool) for scorer in ("window", "union") for pool in (1, 7, 31)
     ]
@@ -302,6 +302,28 @@ def test_the_scorer_stage_tries_the_window_scorers_once_per_pool_width():
     assert recipe_key(dataclasses.replace(START, pool=31)) == recipe_key(START)
     assert "pool 31" in describe(options[3]) and "pool" not in describe(START)
     assert describe(options[-1]).split(" · ")[1] == "union (window 32, pool 31)"
+
+
+def test_the_scorer_stage_tries_the_union_at_every_window_share():
+    from kvtool.calibrate.recipes import stage_options
+
+    options = stage_options("scorer", START, SearchSpace(pools=(15,), window_shares=(0.5, 0.7)))
+    assert [(s.scorer, s.pool, s.window_share) for s in options] == [
+        ("attention-sum", START.pool, START.window_share), ("window", 15, START.window_share),
+        ("union", 15, 0.5), ("union", 15, 0.7),
+    ]
+    # The share tells union recipes apart only: the window scorer and attention-sum ignore it.
+    assert len({recipe_key(s) for s in options}) == 4
+    assert recipe_key(dataclasses.replace(options[1], window_share=0.7)) == recipe_key(options[1])
+    assert recipe_key(dataclasses.replace(START, window_share=0.7)) == recipe_key(START)
+    assert describe(options[-1]).split(" · ")[1] == "union (window 32, pool 15, window share 70%)"
+    assert describe(options[-2]).split(" · ")[1] == "union (window 32, pool 15)"
+
+
+@pytest.mark.parametrize("shares", [(), (0.0,), (1.0,), (0.5, 1.2), (True,)])
+def test_bad_window_shares_are_refused(shares):
+    with pytest.raises(KvtoolError, match="window shares must be fractions strictly between 0 and 1"):
+        SearchSpace(window_shares=shares).checked()
 
 
 def test_a_pool_width_only_the_window_scorer_rewards_is_found():

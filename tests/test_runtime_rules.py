@@ -79,8 +79,10 @@ def brute_force_pool(raw: list[float], window: int, pool: int) -> list[float]:
     ]
 
 
-def brute_force_union(asked: list[float], read: list[float]) -> list[float]:
-    """The better of a column's two ranks (1/n = lowest score, 1 = top; ties by position)."""
+def brute_force_union(asked: list[float], read: list[float], window_share: float = 0.5) -> list[float]:
+    """The better of a column's two ranks (1/n = lowest score, 1 = top; ties by position); with a
+    window share f, a column's places below the top of each list over that list's share, the
+    smaller one ranking it (as a score: higher is better)."""
     def share(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=lambda t: (values[t], t))
         out = [0.0] * len(values)
@@ -88,7 +90,19 @@ def brute_force_union(asked: list[float], read: list[float]) -> list[float]:
             out[t] = (rank + 1) / len(values)
         return out
 
-    return [max(a, b) for a, b in zip(share(asked), share(read))]
+    if window_share == 0.5:
+        return [max(a, b) for a, b in zip(share(asked), share(read))]
+
+    def below_top(values: list[float]) -> list[int]:
+        order = sorted(range(len(values)), key=lambda t: (-values[t], -t))  # ties: the later column ranks higher
+        out = [0] * len(values)
+        for place, t in enumerate(order):
+            out[t] = place
+        return out
+
+    return [
+        -min(a / window_share, b / (1.0 - window_share)) for a, b in zip(below_top(asked), below_top(read))
+    ]
 
 
 def random_prompt(real: list[int], dtype=torch.float64):
@@ -254,7 +268,7 @@ def eager_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [att[0] for att in out.attentions]
 
 
-def reference_scores(att: torch.Tensor, scorer: str, window: int, pool: int) -> torch.Tensor:
+def reference_scores(att: torch.Tensor, scorer: str, window: int, pool: int, window_share: float = 0.5) -> torch.Tensor:
     """[Hkv, n] per-head scores (averaged over each KV head's query heads), pooled like the runtime."""
     hq, n, _ = att.shape
     total = att.sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
@@ -263,7 +277,7 @@ def reference_scores(att: torch.Tensor, scorer: str, window: int, pool: int) -> 
     raw = att[:, -window:].sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
     pooled = [brute_force_pool(row.tolist(), window, pool) for row in raw]
     if scorer == "union":
-        pooled = [brute_force_union(a, b.tolist()) for a, b in zip(pooled, total)]
+        pooled = [brute_force_union(a, b.tolist(), window_share) for a, b in zip(pooled, total)]
     return torch.tensor(pooled, dtype=torch.float64)
 
 
@@ -349,19 +363,27 @@ CASES = {
     "per-head-union-tova": ("per-head", "union", 4, 3, "none", "tova"),
     "shared-union-h2o-position": ("shared", "union", 6, 7, "position", "heavy-hitter"),
     "shared-union-fixed-point-share": ("shared", "union", 1, 1, "none", "fixed-point", 0.4),
+    # The union with more room for the window's list (its 7th field), or less.
+    "per-head-union70-tova": ("per-head", "union", 4, 3, "none", "tova", 0.0, 0.7),
+    "shared-union85-h2o-share": ("shared", "union", 6, 7, "none", "heavy-hitter", 0.25, 0.85),
+    "shared-union30-tova-position": ("shared", "union", 4, 3, "position", "tova", 0.0, 0.3),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_compressed_decoding_matches_per_head_reference(case):
-    heads_mode, scorer, window, pool, merge, rule, *share = CASES[case]
-    share = share[0] if share else 0.0
+    heads_mode, scorer, window, pool, merge, rule, *extra = CASES[case]
+    share = extra[0] if extra else 0.0
+    window_share = extra[1] if len(extra) > 1 else 0.5
     per_head = heads_mode == "per-head"
     model = tiny_llama()
     ids = prompts([30])[0][None]
     n = ids.shape[1]
     profile = recipe_profile(model, merge=merge)
-    plans = rules_plans(profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule, recent_share=share)
+    plans = rules_plans(
+        profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule, recent_share=share,
+        window_share=window_share,
+    )
     steps = torch.randint(3, 97, (44,), generator=torch.Generator().manual_seed(7)).tolist()
     recent = max(RECENT, window) if scorer in ("window", "union") else RECENT
 
@@ -373,7 +395,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
         for index, ratio in enumerate(RATIOS):
             keep = math.ceil(ratio * n - 1e-9)
             recent_here = max(recent, math.ceil(share * keep)) if share else recent
-            score = reference_scores(maps[index], scorer, window, pool)
+            score = reference_scores(maps[index], scorer, window, pool, window_share)
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
             if not per_head:
                 score = score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
@@ -381,7 +403,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
                     raw = maps[index][:, -window:].sum(dim=1).mean(dim=0)
                     pooled = brute_force_pool(raw.tolist(), window, pool)
                     if scorer == "union":
-                        pooled = brute_force_union(pooled, maps[index].sum(dim=1).mean(dim=0).tolist())
+                        pooled = brute_force_union(pooled, maps[index].sum(dim=1).mean(dim=0).tolist(), window_share)
                     score = torch.tensor(pooled)[None].expand(KV_HEADS, n)
                 h2o_score = h2o_score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
             frozen = max(keep - DIST, min(SINK, keep)) if rule == "fixed-point" else min(SINK, keep)
@@ -438,6 +460,8 @@ BATCH_CASES = {
     "shared-sum-h2o-share": dict(evict="heavy-hitter", recent_share=0.5),
     "per-head-union-tova": dict(heads="per-head", scorer="union", window=8, pool=7, evict="tova"),
     "shared-union-fixed-point": dict(scorer="union", window=4, pool=3),
+    "per-head-union70-tova": dict(heads="per-head", scorer="union", window=8, pool=7, evict="tova", window_share=0.7),
+    "shared-union85-h2o": dict(scorer="union", window=4, pool=3, evict="heavy-hitter", window_share=0.85),
 }
 
 

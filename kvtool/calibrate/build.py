@@ -144,6 +144,7 @@ def with_calibration(
                     truncation_distance=t.settings.truncation_distance, ppl=t.ppl, ratios=t.settings.ratios,
                     window=t.settings.window if t.settings.scorer in WINDOW_SCORERS else None,
                     pool=t.settings.pool if t.settings.scorer in WINDOW_SCORERS else None,
+                    window_share=t.settings.window_share if t.settings.scorer == "union" else None,
                     selection=t.settings.selection,
                     held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
                 )

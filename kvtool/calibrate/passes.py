@@ -93,7 +93,7 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
     """Host copies of what `scorer` makes of the prompt scores every compressing layer of `cache`
     recorded (shared over heads: one curve per layer); `method` gives the window scorer's window and pool."""
     method = method or MethodSettings()
-    rule = make_scorer(scorer, window=method.window, pool=method.pool)
+    rule = make_scorer(scorer, window=method.window, pool=method.pool, window_share=method.window_share)
     out = {}
     for index, layer in cache.compressing_layers().items():
         valid = layer.prompt_valid
@@ -105,7 +105,10 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
 
 
 def scorer_key(settings: MethodSettings) -> str:
-    """Names a scorer with what changes its scores (window and pool, for the scorers that read them)."""
+    """Names a scorer with what changes its scores (window and pool, for the scorers that read them;
+    the union's window share when it is not the even split)."""
+    if settings.scorer == "union" and settings.window_share != 0.5:
+        return f"union {settings.window} pool {settings.pool} share {settings.window_share:g}"
     if settings.scorer in WINDOW_SCORERS:
         return f"{settings.scorer} {settings.window} pool {settings.pool}"
     return settings.scorer
@@ -115,7 +118,7 @@ def scorer_stats(cache: Any, scorer: str, method: MethodSettings) -> ImportanceS
     """One batch's Lorenz statistics under `scorer`. The protected tokens are left out as the
     runtime protects them; attention-sum column sums are divided by the rows that see each column
     (see `statistics.compressible`), window scores are not (every scored column sees all window rows)."""
-    rule = make_scorer(scorer, window=method.window, pool=method.pool)
+    rule = make_scorer(scorer, window=method.window, pool=method.pool, window_share=method.window_share)
     scores = recorded_importance(cache, scorer, method)
     recent = rule.protected_recent(method.recent_window)
     if recent > method.recent_window:
@@ -181,8 +184,10 @@ def full_pass(
 
 
 def _scored_by(method: MethodSettings, scorer: MethodSettings) -> MethodSettings:
-    """`method` (sinks, recent window) with `scorer`'s scorer, window and pool."""
-    return dataclasses.replace(method, scorer=scorer.scorer, window=scorer.window, pool=scorer.pool)
+    """`method` (sinks, recent window) with `scorer`'s scorer, window, pool and window share."""
+    return dataclasses.replace(
+        method, scorer=scorer.scorer, window=scorer.window, pool=scorer.pool, window_share=scorer.window_share
+    )
 
 
 def truncation_pass(

@@ -53,6 +53,13 @@ class SearchSpace:
     heads: tuple[str, ...] = HEAD_MODES
     # The window scorer's max-pool widths (odd). Tried inside the scorer stage, beside the scorers.
     pools: tuple[int, ...] = (7, 15, 31)
+    # The union scorer's window shares (how much of its kept room the window's top list gets),
+    # tried inside the scorer stage with each window and pool width. By default only the even
+    # split: on SmolLM2 at 0.2 the shares 0.5 / 0.7 / 0.85 ranked differently on every calibration
+    # sample (5 choosing prompts: 0.7 ahead by 0.7%; 10: 0.5 ahead by 3-4%; 30 prompts of the
+    # calibration set: 0.7 ahead by 2.7%), and every option more is one more chance for a noise
+    # win on a handful of prompts. Pass `window_shares` to search them.
+    window_shares: tuple[float, ...] = (0.5,)
     recent_shares: tuple[float, ...] = (0.0, 0.25, 0.5)
     merge_modes: tuple[str, ...] = ("none", "position")
     distances: tuple[int, ...] = (0, 8, 16, 25, 48, 96)
@@ -81,6 +88,10 @@ class SearchSpace:
             raise KvtoolError(f"observation windows must be integers >= 1, got {list(self.windows)}")
         if not self.pools or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 or p % 2 == 0 for p in self.pools):
             raise KvtoolError(f"pool widths must be odd integers >= 1, got {list(self.pools)}")
+        if not self.window_shares or any(
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < 1.0 for f in self.window_shares
+        ):
+            raise KvtoolError(f"union window shares must be fractions strictly between 0 and 1, got {list(self.window_shares)}")
         if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.distances):
             raise KvtoolError(f"truncation distances must be integers >= 0, got {list(self.distances)}")
         seed_recipes(self, MethodSettings())  # an unknown seed, or one that lets the cache grow, fails before any model work
@@ -93,6 +104,7 @@ class SearchSpace:
             ratio_sources=unique(self.ratio_sources),
             heads=unique(self.heads),
             pools=unique(self.pools),
+            window_shares=unique(float(f) for f in self.window_shares),
             recent_shares=unique(float(s) for s in self.recent_shares),
             merge_modes=unique(self.merge_modes),
             distances=unique(self.distances),
@@ -134,6 +146,8 @@ def recipe_key(settings: MethodSettings) -> tuple:
     only to the scorers that read the window, the recent share only to the selection that reserves it."""
     distance = settings.truncation_distance if settings.eviction == "fixed-point" else None
     window = (settings.window, settings.pool) if settings.scorer in WINDOW_SCORERS else None
+    if settings.scorer == "union":
+        window += (settings.window_share,)
     share = settings.recent_share if settings.selection == "importance" else None
     return (
         settings.eviction, settings.selection, settings.scorer, window, settings.ratios, settings.heads, share,
@@ -149,9 +163,10 @@ def stage_options(attr: str, current: MethodSettings, space: SearchSpace) -> lis
     options = []
     for value in values:
         if attr == "scorer" and value in WINDOW_SCORERS:
+            shares = space.window_shares if value == "union" else (current.window_share,)
             options += [
-                dataclasses.replace(current, scorer=value, window=window, pool=pool)
-                for window in space.windows for pool in space.pools
+                dataclasses.replace(current, scorer=value, window=window, pool=pool, window_share=share)
+                for window in space.windows for pool in space.pools for share in shares
             ]
         else:
             options.append(dataclasses.replace(current, **{attr: value}))
@@ -168,6 +183,8 @@ def describe(settings: MethodSettings) -> str:
     scorer = settings.scorer
     if settings.scorer in WINDOW_SCORERS:
         scorer = f"window {settings.window} (pool {settings.pool})" if scorer == "window" else f"{scorer} (window {settings.window}, pool {settings.pool})"
+    if settings.scorer == "union" and settings.window_share != 0.5:
+        scorer = f"{scorer[:-1]}, window share {settings.window_share:.0%})"
     recent = f"recent {settings.recent_share:.0%}" if settings.selection == "importance" else "recent half"
     parts += [scorer, f"ratios {settings.ratios}", settings.heads, recent, f"merge {settings.merge}"]
     return " · ".join(parts)
@@ -311,13 +328,14 @@ def brute_force(start: MethodSettings, space: SearchSpace, measure: Callable[[Me
     for eviction in space.evictions:
         distances = space.distances if eviction == "fixed-point" else (start.truncation_distance,)
         scorers = [
-            (s, w, p) for s in space.scorers
+            (s, w, p, f) for s in space.scorers
             for w, p in (itertools.product(space.windows, space.pools) if s in WINDOW_SCORERS else ((start.window, start.pool),))
+            for f in (space.window_shares if s == "union" else (start.window_share,))
         ]
-        for selection, (scorer, window, pool), ratios in itertools.product(space.selections, scorers, space.ratio_sources):
+        for selection, (scorer, window, pool, share_), ratios in itertools.product(space.selections, scorers, space.ratio_sources):
             for heads, share, merge, distance in itertools.product(space.heads, space.recent_shares, space.merge_modes, distances):
                 settings = dataclasses.replace(
-                    start, eviction=eviction, selection=selection, scorer=scorer, window=window, pool=pool,
+                    start, eviction=eviction, selection=selection, scorer=scorer, window=window, pool=pool, window_share=share_,
                     ratios=ratios, heads=heads, recent_share=share, merge=merge, truncation_distance=distance,
                 )
                 ppl = float(measure(settings))

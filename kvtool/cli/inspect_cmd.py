@@ -92,6 +92,8 @@ def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
 def _method_rows(profile: Profile) -> list[tuple[str, str]]:
     s = profile.method
     scorer = s.scorer if s.scorer not in WINDOW_SCORERS else f"{s.scorer} (last {s.window} rows, pool {s.pool})"
+    if s.scorer == "union":
+        scorer = f"{scorer[:-1]}, window share {s.window_share:.0%})"
     return [
         (
             "Recipe",
@@ -199,13 +201,15 @@ def recipe_table(profile) -> Table:
             method.eviction, method.selection, method.scorer, method.ratios, method.heads, method.merge
         ) and (t.eviction != "fixed-point" or t.truncation_distance == method.truncation_distance) and (
             t.scorer not in WINDOW_SCORERS or (t.window in (None, method.window) and t.pool in (None, method.pool))
-        ) and (t.selection != "importance" or t.recent_share == method.recent_share)
+        ) and (t.scorer != "union" or (t.window_share or 0.5) == method.window_share) and (t.selection != "importance" or t.recent_share == method.recent_share)
         rule = f"{t.eviction} D{t.truncation_distance}" if t.eviction == "fixed-point" else t.eviction
         if t.selection != "importance":
             rule += f" · {t.selection} sel."
         scorer = t.scorer
         if t.scorer in WINDOW_SCORERS and t.pool is not None:
             scorer = f"{t.scorer} {t.window or ''}/{t.pool}"
+            if t.scorer == "union" and t.window_share not in (None, 0.5):
+                scorer += f" ({t.window_share:.0%} window)"
         recent = f"{t.recent_share:.0%}" if t.selection == "importance" else "half"
         table.add_row(
             t.stage.replace("generation rule", "rule").replace("recent share", "recent"),

@@ -79,6 +79,8 @@ class MethodSettings:
     # The observation window (last prompt rows) and max-pool width of the "window" scorer.
     window: int = field(default=32, metadata=rule(low=1))
     pool: int = field(default=7, metadata=rule(low=1))
+    # The "union" scorer's share of kept tokens from the window's top list (the rest: column sums').
+    window_share: float = field(default=0.5, metadata=rule(low=0, high=1, open_low=True))
     heads: str = field(default="shared", metadata=rule(choices=HEAD_MODES))
     # Share of each layer's kept prompt entries reserved for the most recent tokens (beside
     # `recent_window`, whichever keeps more).
@@ -135,6 +137,8 @@ class RecipeTrial:
     # (and in older files).
     window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     pool: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
+    # The union scorer's window share; left out for the other scorers (and in older files).
+    window_share: float | None = field(default=None, metadata=rule(low=0, high=1, open_low=True, omit_none=True))
     selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
     # On the held-out calibration prompts, for the recipes confirmed there; left out otherwise.
     held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))

@@ -94,6 +94,7 @@ def layer_plans(profile: Profile) -> list[LayerPlan | None]:
                 scorer=method.scorer,
                 window=method.window,
                 pool=method.pool,
+                window_share=method.window_share,
                 heads=method.heads,
                 recent_share=method.recent_share,
             )

@@ -59,6 +59,8 @@ class LayerPlan:
     scorer: str = "attention-sum"
     window: int = 32
     pool: int = 7
+    # "union": the share of its kept tokens that come from the window's top list.
+    window_share: float = 0.5
     heads: str = "shared"  # one of HEAD_MODES
     # Share of each sequence's kept prompt entries reserved for the most recent tokens (on top of
     # `recent_window`): on a small budget the question and the last turn are what the answer reads.
@@ -71,7 +73,7 @@ class LayerPlan:
 
     @property
     def scoring(self) -> Scorer:
-        return make_scorer(self.scorer, window=self.window, pool=self.pool)
+        return make_scorer(self.scorer, window=self.window, pool=self.pool, window_share=self.window_share)
 
 
 class CompressingLayer(DynamicLayer):

@@ -11,13 +11,15 @@ from kvtool.runtime.scoring.window import WindowScorer, pool_before_window
 SCORERS: dict[str, type[Scorer]] = {rule.name: rule for rule in (AttentionSum, WindowScorer, UnionScorer)}
 
 
-def make_scorer(name: str, *, window: int, pool: int) -> Scorer:
+def make_scorer(name: str, *, window: int, pool: int, window_share: float = 0.5) -> Scorer:
     """The scorer `name`; `window` and `pool` configure the scorers that read the observation
-    window (`window`, `union`) and are ignored by the others."""
+    window (`window`, `union`) and are ignored by the others, `window_share` the union's lists."""
     try:
         rule = SCORERS[name]
     except KeyError:
         raise KvtoolError(f"unknown scorer {name!r} (known: {', '.join(SCORERS)})") from None
+    if issubclass(rule, UnionScorer):
+        return rule(window=window, pool=pool, window_share=window_share)
     return rule(window=window, pool=pool) if issubclass(rule, WindowScorer) else rule()
 
 
