@@ -11,8 +11,9 @@ a padded batch as alone). The window part is max-pooled as the window scorer poo
 `window_share` sets how the two lists share the room: a token's distance from the top of each list
 (0 = top) is divided by that list's share, and the smaller quotient ranks it, so with share f about
 f of the kept tokens come from the window's list and 1 - f from the column sums' (0.5: the better
-rank, the two lists equally long). Calibration chooses it: the needles of a retrieval prompt want
-more of the window's list, a long continuation more of the sums'.
+rank, the two lists equally long). The needles of a retrieval prompt want more of the window's
+list, a long continuation more of the sums'; calibration searches it when `SearchSpace.window_shares`
+lists several (its default keeps 0.5: recipes.py says why).
 """
 
 from __future__ import annotations
