@@ -4,7 +4,14 @@ Every row saw the same prompts and the same references (pass kvtool eval's JSON 
 with `--references`), so the per-prompt differences tell a real gap from prompt-to-prompt noise.
 Prints Markdown: one table of every method and press (PPL, ROUGE-L, retrieval accuracy, KV kept,
 whether it compresses the prompt only), one per kind, and the paired differences of one method
-against every other (mean ± one standard error over prompts, and on how many prompts it is ahead).
+against every other (mean ± one standard error over prompts, and on how many prompts it is ahead):
+ROUGE-L, retrieval accuracy and each prompt's mean NLL per reference token (where the file has it).
+
+A file given as `FILE.json:LABEL` shows its methods as `METHOD [LABEL]`, so two runs of the same
+method (two profiles, say) sit side by side:
+
+    .venv/bin/python benchmarks/compare.py a.json:10-samples b.json:20-samples --budget 0.2 \\
+        --against "kvtool [20-samples]"
 
     .venv/bin/python benchmarks/compare.py docs/eval-smollm2-b0.2.json --peer docs/kvpress-smollm2-b0.2.json \\
         --budget 0.2 --against kvtool
@@ -34,17 +41,34 @@ class Row:
     accuracy: list[float | None]
     kv_fraction: float
     kinds: dict[str, dict]
+    nll: list[float | None] | None = None  # per prompt: mean NLL per scored reference token
+
+
+def per_token_nll(result: dict) -> list[float | None] | None:
+    nll, tokens = result.get("nll_per_prompt"), result.get("tokens_per_prompt")
+    if nll is None or tokens is None:
+        return None
+    return [n / t if t else None for n, t in zip(nll, tokens)]
+
+
+def labelled(arg: str) -> tuple[Path, str | None]:
+    """`FILE` or `FILE:LABEL` (a label never contains a path separator)."""
+    path, sep, label = arg.rpartition(":")
+    if sep and path and "/" not in label and label:
+        return Path(path), label
+    return Path(arg), None
 
 
 def sem(values: list[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
 
 
-def load(paths: list[Path], peers: list[Path], budget: float) -> tuple[list[Row], dict, list[str | None]]:
+def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row], dict, list[str | None]]:
     rows: list[Row] = []
     full: dict = {}
     kinds: list[str | None] = []
-    for path in paths:
+    for arg in paths:
+        path, label = labelled(arg)
         doc = json.loads(path.read_text())
         full = full or {
             "ppl": doc["full_ppl"], "accuracy": doc.get("full_accuracy"), "kinds": doc.get("full_kinds", {}),
@@ -52,11 +76,12 @@ def load(paths: list[Path], peers: list[Path], budget: float) -> tuple[list[Row]
         kinds = kinds or doc.get("kinds_per_prompt") or []
         for r in doc["results"]:
             if math.isclose(r["budget"], budget):
+                name = r["method"] if label is None else f"{r['method']} [{label}]"
                 # A later file's row for the same method replaces an earlier one (a re-run).
-                rows = [row for row in rows if row.name != r["method"]]
+                rows = [row for row in rows if row.name != name]
                 rows.append(Row(
-                    r["method"], "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
-                    r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}),
+                    name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
+                    r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
                 ))
     for path in peers:
         doc = json.loads(path.read_text())
@@ -121,10 +146,10 @@ def paired(rows: list[Row], against: str, kinds: list[str | None]) -> str:
     lines = [
         f"| {against} minus | ROUGE-L (all) | ahead on | " + " | ".join(
             f"ROUGE-L {k}" for k in sorted({k for k in kinds if k}, key=kinds.index)
-        ) + " | retrieval accuracy |",
+        ) + " | retrieval accuracy | NLL per token |",
     ]
     names = sorted({k for k in kinds if k}, key=kinds.index)
-    lines.append("| --- | --- | --- |" + " --- |" * (len(names) + 1))
+    lines.append("| --- | --- | --- |" + " --- |" * (len(names) + 2))
     for r in rows:
         if r is base:
             continue
@@ -138,14 +163,16 @@ def paired(rows: list[Row], against: str, kinds: list[str | None]) -> str:
             cells.append(f"{statistics.fmean(d):+.3f} ± {sem(d):.3f}")
         acc = [a - b for a, b in zip(base.accuracy, r.accuracy) if a is not None and b is not None]
         acc_cell = f"{statistics.fmean(acc):+.3f} ± {sem(acc):.3f}" if acc else "-"
+        nll = [a - b for a, b in zip(base.nll or [], r.nll or []) if a is not None and b is not None]
+        nll_cell = f"{statistics.fmean(nll):+.4f} ± {sem(nll):.4f} (lower on {sum(d < 0 for d in nll)})" if nll else "-"
         lines.append(
             f"| {r.name} | {statistics.fmean(diffs):+.3f} ± {sem(diffs):.3f} | {ahead} / {behind} | "
-            + " | ".join(cells) + f" | {acc_cell} |"
+            + " | ".join(cells) + f" | {acc_cell} | {nll_cell} |"
         )
     return "\n".join(lines)
 
 
-def plot(evals: list[Path], peers: list[Path], path: Path) -> Path:
+def plot(evals: list[str], peers: list[Path], path: Path) -> Path:
     """PPL, ROUGE-L and retrieval accuracy against budget, one line per method of every file (all
     budgets they hold; later files replace earlier rows of the same method and budget). kvpress
     presses are dashed: they compress the prompt only unless the row says it holds the budget."""
@@ -156,7 +183,8 @@ def plot(evals: list[Path], peers: list[Path], path: Path) -> Path:
 
     from kvtool.evaluate.plot import save_figure
 
-    budgets = sorted({r["budget"] for p in evals + peers for r in json.loads(p.read_text())["results"] if r["budget"] < 1})
+    files = [labelled(e)[0] for e in evals] + peers
+    budgets = sorted({r["budget"] for p in files for r in json.loads(p.read_text())["results"] if r["budget"] < 1})
     series: dict[str, dict[float, Row]] = {}
     full: dict = {}
     for budget in budgets:
@@ -192,7 +220,10 @@ def plot(evals: list[Path], peers: list[Path], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("evals", type=Path, nargs="+", help="kvtool eval --json files (a later file's method replaces the same method of an earlier one)")
+    parser.add_argument(
+        "evals", nargs="+",
+        help="kvtool eval --json files, each optionally FILE:LABEL (a later file's method replaces the same method of an earlier one)",
+    )
     parser.add_argument("--peer", type=Path, action="append", default=[], help="peer_kvpress.py --json files")
     parser.add_argument("--budget", type=float, help="the budget of the tables (required without --plot)")
     parser.add_argument("--plot", type=Path, help="also draw every budget of the files here (PNG; needs matplotlib)")

@@ -86,3 +86,21 @@ def test_plot_draws_every_budget_of_the_files(compare, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         compare.main([str(evals)])  # neither a budget nor a plot
+
+
+def test_labelled_files_sit_side_by_side_with_paired_nll(compare, tmp_path, capsys):
+    first, second = kvtool_doc(), kvtool_doc()
+    first["results"][0].update(nll_per_prompt=[2.0, 3.0, 1.0, 4.0], tokens_per_prompt=[4, 3, 1, 0])
+    second["results"][0].update(nll_per_prompt=[1.0, 3.0, 2.0, 4.0], tokens_per_prompt=[4, 3, 1, 0], ppl=1.65)
+    a, b = write(tmp_path / "a.json", first), write(tmp_path / "b.json", second)
+    compare.main([f"{a}:ten", f"{b}:twenty", "--budget", "0.2", "--against", "kvtool [twenty]"])
+    out = capsys.readouterr().out
+    assert "| kvtool [ten] | prompt + generation (budget held) | 1.700 |" in out
+    assert "| kvtool [twenty] | prompt + generation (budget held) | 1.650 |" in out
+    # Per token: twenty 0.25, 1, 2 vs ten 0.5, 1, 1 (the prompt without tokens is left out):
+    # differences -0.25, 0, +1 -> mean +0.25, lower on one prompt.
+    assert "+0.2500 ± 0.3819 (lower on 1)" in out.split("| kvtool [ten] |")[-1]
+    # Files without per-prompt NLL show no NLL difference; a path with no label reads as a path.
+    assert "| h2o [ten] |" in out and out.rstrip().endswith("| - |")
+    assert compare.labelled("docs/x.json") == (Path("docs/x.json"), None)
+    assert compare.labelled("C:/x.json") == (Path("C:/x.json"), None)
