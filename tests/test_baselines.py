@@ -19,6 +19,7 @@ from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.importance import decode_attention_with_scores
 from kvtool.runtime.merge import MERGE_RULES
 from kvtool.runtime.selection import SELECT_RULES
+from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
 
 NEW = 20
@@ -71,9 +72,9 @@ def test_a_profile_naming_the_removed_importance_mean_rule_is_refused(llama, tmp
 def test_padded_batch_equals_single_runs(llama, name):
     seqs = prompts([61, 37, 50], seed=3)
     with torch.no_grad(), attach(llama, recipe(llama, name)) as handle:
-        batch = llama.generate(**left_pad(seqs), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+        batch = llama.generate(**left_pad(seqs), max_new_tokens=NEW, **with_cache(llama, handle.new_cache()), **GREEDY)
         for i, seq in enumerate(seqs):
-            single = llama.generate(**left_pad([seq]), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+            single = llama.generate(**left_pad([seq]), max_new_tokens=NEW, **with_cache(llama, handle.new_cache()), **GREEDY)
             alone = single.sequences[0, len(seq):]
             assert torch.equal(alone, batch.sequences[i, -NEW:][: len(alone)]), f"sequence {i}"
             diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(single.scores, batch.scores))
@@ -86,13 +87,13 @@ def _step_through(model, handle, seqs, steps):
     cache = handle.new_cache(record_importance=True)
     mask = inputs["attention_mask"]
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(**inputs, position_ids=positions, **with_cache(model, cache), use_cache=True)
     yield cache
     position = mask.sum(1, keepdim=True)
     for _ in range(steps):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], dim=1)
-        out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, attention_mask=mask, position_ids=position, **with_cache(model, cache), use_cache=True)
         position = position + 1
         yield cache
 

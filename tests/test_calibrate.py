@@ -21,6 +21,7 @@ from kvtool.errors import KvtoolError
 from kvtool.models import LoadedModel, prepare_tokenizer
 from kvtool.profiles import MethodSettings, profile_to_dict, read_profile, save_profile
 from kvtool.runtime import attach, load_profile, uniform_profile
+from kvtool.models.forward import with_cache
 from tiny_models import tiny_gemma3, tiny_llama
 
 WORDS = (
@@ -172,7 +173,7 @@ def test_written_profile_loads_and_attaches(tiny: LoadedModel, tmp_path: Path) -
     try:
         ids = torch.tensor([[1, 5, 9, 12, 7, 8, 30, 31, 32, 33, 34, 35, 36, 37, 38, 40, 41, 42]])
         sequences = tiny.model.generate(
-            input_ids=ids, past_key_values=handle.new_cache(), max_new_tokens=5, do_sample=False, pad_token_id=0
+            input_ids=ids, **with_cache(tiny.model, handle.new_cache()), max_new_tokens=5, do_sample=False, pad_token_id=0
         )
         assert sequences.shape == (1, ids.shape[1] + 5)
     finally:
@@ -317,11 +318,11 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
         with torch.inference_mode():
             full_handle = attach(model, uniform_profile(model, 1.0))
             full = full_handle.new_cache(record_importance=True)
-            model(**inputs, past_key_values=full, use_cache=True)
+            model(**inputs, **with_cache(model, full), use_cache=True)
             full_handle.detach()
             handle = attach(model, profile)
             real = handle.new_cache()
-            model(**inputs, past_key_values=real, use_cache=True)
+            model(**inputs, **with_cache(model, real), use_cache=True)
             replayed = compress_recorded_prompt(handle.new_cache(), full, batch.attention_mask)
             for index, layer in real.compressing_layers().items():
                 other = replayed.layers[index]
@@ -333,8 +334,8 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
             for _ in range(12):  # past the first evictions
                 mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
                 step = {"input_ids": token, "attention_mask": mask, "position_ids": position, "use_cache": True}
-                a = model(**step, past_key_values=real).logits[:, -1]
-                b = model(**step, past_key_values=replayed).logits[:, -1]
+                a = model(**step, **with_cache(model, real)).logits[:, -1]
+                b = model(**step, **with_cache(model, replayed)).logits[:, -1]
                 assert torch.allclose(a, b, atol=1e-9)
                 token, position = a.argmax(dim=-1, keepdim=True), position + 1
             handle.detach()
@@ -364,7 +365,7 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
         with torch.inference_mode():
             full_handle = attach(model, uniform_profile(model, 1.0))
             full = full_handle.new_cache(record_importance=True)
-            first = model(**inputs, past_key_values=full, use_cache=True).logits[:, -1]
+            first = model(**inputs, **with_cache(model, full), use_cache=True).logits[:, -1]
             full_handle.detach()
             handle = attach(model, profiles[0])
             alone = [compress_recorded_prompt(handle.cache_for(p), full, batch.attention_mask) for p in profiles]
@@ -377,10 +378,10 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
                 step = {"input_ids": tokens[:, t : t + 1], "position_ids": position, "use_cache": True}
                 together = model(
                     **{**step, "input_ids": tokens[:, t : t + 1].repeat(3, 1), "position_ids": position.repeat(3, 1)},
-                    attention_mask=mask.repeat(3, 1), past_key_values=grouped,
+                    attention_mask=mask.repeat(3, 1), **with_cache(model, grouped),
                 ).logits[:, -1]
                 for i, cache in enumerate(alone):
-                    logits = model(**step, attention_mask=mask, past_key_values=cache).logits[:, -1]
+                    logits = model(**step, attention_mask=mask, **with_cache(model, cache)).logits[:, -1]
                     assert torch.allclose(together[3 * i : 3 * i + 3], logits, atol=1e-10)
                 position = position + 1
             for cache, part in zip(alone, parts):

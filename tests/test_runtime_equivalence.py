@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from kvtool.errors import KvtoolError
 from kvtool.runtime import KvtoolCache, attach, uniform_profile
 from kvtool.runtime.layer import CompressingLayer
+from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_gemma3, tiny_llama
 
 NEW = 24
@@ -31,7 +32,7 @@ def test_budget_one_equals_unmodified(build, lengths):
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=NEW, **GREEDY)
         with attach(model, uniform_profile(model, 1.0)) as handle:
-            out = model.generate(**inputs, max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+            out = model.generate(**inputs, max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
     assert torch.equal(ref.sequences, out.sequences)
     assert max_score_diff(ref, out) < 1e-6
 
@@ -44,9 +45,9 @@ def test_padded_batch_equals_single_runs(build, budget, merge):
     seqs = prompts([61, 37, 50])
     profile = profile_with(model, budget, merge=merge, sink_tokens=2, recent_window=3, truncation_distance=5)
     with torch.no_grad(), attach(model, profile) as handle:
-        batch = model.generate(**left_pad(seqs), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+        batch = model.generate(**left_pad(seqs), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
         for i, seq in enumerate(seqs):
-            single = model.generate(**left_pad([seq]), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+            single = model.generate(**left_pad([seq]), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
             alone = single.sequences[0, len(seq):]  # may stop early at EOS; the batch pads after it
             assert torch.equal(alone, batch.sequences[i, -NEW:][: len(alone)]), f"sequence {i}"
             assert max_score_diff(single, batch, 0, i) < 1e-6

@@ -14,6 +14,7 @@ from kvtool.runtime.importance import attention_importance
 from kvtool.runtime.layer import GROWTH_SLOTS
 from kvtool.runtime.merge.position import nearest_anchor
 from kvtool.runtime.selection import kept_count, select_tokens
+from kvtool.models.forward import with_cache
 from tiny_models import left_pad, profile_with, prompts, tiny_llama
 
 
@@ -64,7 +65,7 @@ def test_chunked_importance_equals_eager_column_sums(llama, lengths, path, monke
     width = inputs["input_ids"].shape[1]
     with torch.no_grad(), attach(llama, uniform_profile(llama, 1.0)) as handle:
         cache = handle.new_cache(record_importance=True)
-        llama(**inputs, past_key_values=cache)
+        llama(**inputs, **with_cache(llama, cache))
     assert len(split) == len(llama.model.layers) * (len(seqs) if path == "cpu-blocks" else 1)
     assert all(rows < covered for rows, covered in split)
     for i, seq in enumerate(seqs):
@@ -138,7 +139,7 @@ def test_every_layer_meets_its_ratio_exactly(llama):
     profile = profile_with(llama, ratios, sink_tokens=2, recent_window=2)
     with torch.no_grad(), attach(llama, profile) as handle:
         cache = handle.new_cache()
-        llama(**left_pad(seqs), past_key_values=cache)
+        llama(**left_pad(seqs), **with_cache(llama, cache))
     lengths = np.array([len(s) for s in seqs])
     for layer, ratio in enumerate(ratios):
         expected = np.ceil(ratio * lengths - 1e-9).astype(int)
@@ -157,7 +158,7 @@ def test_memory_stays_at_budget_through_long_generation(llama):
     slot_bytes = 2 * llama.config.num_key_value_heads * (64 // 4) * 8  # K and V, float64
     with torch.no_grad(), attach(llama, profile) as handle:
         cache = handle.new_cache()
-        out = llama(input_ids=ids, past_key_values=cache)
+        out = llama(input_ids=ids, **with_cache(llama, cache))
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         for step in range(257):
             seen = 200 + step
@@ -170,7 +171,7 @@ def test_memory_stays_at_budget_through_long_generation(llama):
                 assert kv.physical_bytes() <= (share + GROWTH_SLOTS) * (slot_bytes + 10)
                 if step in (0, 256):
                     assert kv.full_bytes() == seen * slot_bytes
-            out = llama(input_ids=token, past_key_values=cache)
+            out = llama(input_ids=token, **with_cache(llama, cache))
             token = out.logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -184,19 +185,19 @@ def test_unsupported_modes_fail_clearly(llama):
     with torch.no_grad(), attach(llama, uniform_profile(llama, 0.3)) as handle:
         # transformers >= 5.24 refuses a cache that cannot be cropped itself, before kvtool's crop would
         with pytest.raises((KvtoolError, ValueError), match="assisted decoding|[Aa]ssisted decoding requires a cache that can be cropped"):
-            llama.generate(**inputs, past_key_values=handle.new_cache(), assistant_model=assistant, **kwargs)
+            llama.generate(**inputs, **with_cache(llama, handle.new_cache()), assistant_model=assistant, **kwargs)
         with pytest.raises(KvtoolError, match="chunked prefill"):
-            llama.generate(**inputs, past_key_values=handle.new_cache(), prefill_chunk_size=8, **kwargs)
+            llama.generate(**inputs, **with_cache(llama, handle.new_cache()), prefill_chunk_size=8, **kwargs)
         with pytest.raises(ValueError, match="cache_implementation"):
-            llama.generate(**inputs, past_key_values=handle.new_cache(), cache_implementation="static", **kwargs)
+            llama.generate(**inputs, **with_cache(llama, handle.new_cache()), cache_implementation="static", **kwargs)
         # generate never auto-compiles a cache that changes shape every step
         assert handle.new_cache().is_compileable is False
         cache = handle.new_cache()
         with pytest.raises(KvtoolError, match="attach"):
             # a kvtool cache driven by plain sdpa (not attached) never compresses: refused on the next step
             handle.detach()
-            llama(**inputs, past_key_values=cache)
-            llama(input_ids=inputs["input_ids"][:, -1:], past_key_values=cache)
+            llama(**inputs, **with_cache(llama, cache))
+            llama(input_ids=inputs["input_ids"][:, -1:], **with_cache(llama, cache))
 
 
 def test_truncation_distance_can_be_retuned_on_a_copied_cache(llama):
@@ -209,12 +210,12 @@ def test_truncation_distance_can_be_retuned_on_a_copied_cache(llama):
         profile = profile_with(llama, 0.2, sink_tokens=2, recent_window=2, truncation_distance=distance)
         with torch.no_grad(), attach(llama, profile) as handle:
             cache = handle.new_cache()
-            llama(input_ids=ids, past_key_values=cache)
+            llama(input_ids=ids, **with_cache(llama, cache))
             if retune is not None:
                 cache = copy.deepcopy(cache)
                 cache.set_truncation_distance(retune)
             logits[distance] = torch.stack(
-                [llama(input_ids=t.view(1, 1), past_key_values=cache).logits[0, -1] for t in steps]
+                [llama(input_ids=t.view(1, 1), **with_cache(llama, cache)).logits[0, -1] for t in steps]
             )
             with pytest.raises(KvtoolError, match="truncation distance"):
                 cache.set_truncation_distance(7)
@@ -262,10 +263,10 @@ def test_interleaved_caches_each_reach_their_own_layers(llama):
     def run(ids_list):
         with torch.no_grad(), attach(llama, profile) as handle:
             caches = [handle.new_cache() for _ in ids_list]
-            logits = [[llama(input_ids=ids[None], past_key_values=c).logits[0, -1]] for ids, c in zip(ids_list, caches)]
+            logits = [[llama(input_ids=ids[None], **with_cache(llama, c)).logits[0, -1]] for ids, c in zip(ids_list, caches)]
             for token in steps:
                 for row, cache in zip(logits, caches):
-                    row.append(llama(input_ids=token.view(1, 1), past_key_values=cache).logits[0, -1])
+                    row.append(llama(input_ids=token.view(1, 1), **with_cache(llama, cache)).logits[0, -1])
         return [torch.stack(row) for row in logits], caches
 
     together, caches = run(prompts_ab)

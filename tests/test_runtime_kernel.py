@@ -12,6 +12,7 @@ import torch
 
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.importance import _block_rows, attention_importance, attention_with_importance, attention_with_scores
+from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, prompts, tiny_llama
 
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -89,7 +90,7 @@ def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatc
         full = model.generate(**inputs, max_new_tokens=8, **GREEDY)
         with attach(model, uniform_profile(model, 0.999)) as handle:
             cache = handle.new_cache()
-            kept_all = model.generate(**inputs, max_new_tokens=8, past_key_values=cache, **GREEDY)
+            kept_all = model.generate(**inputs, max_new_tokens=8, **with_cache(model, cache), **GREEDY)
     assert len(calls) == len(model.model.layers)  # every layer's prompt went through the fused kernel
     assert all(_block_rows(shape[1], 263) < 263 for shape in calls)
     for layer in cache.layers:

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from kvtool.runtime import attach
+from kvtool.models.forward import with_cache
 from tiny_models import profile_with, prompts, tiny_llama
 
 SINK, RECENT, DIST = 2, 3, 4
@@ -97,7 +98,7 @@ def test_compressed_decoding_matches_reference(merge):
 
     with torch.no_grad():
         full = DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=full)
+        model(input_ids=ids, **with_cache(model, full))
         importance = eager_importance(model, ids)
         entries, frozen = [], []
         for layer, ratio in enumerate(RATIOS):
@@ -109,10 +110,10 @@ def test_compressed_decoding_matches_reference(merge):
 
         with attach(model, profile) as handle:
             cache = handle.new_cache()
-            model(input_ids=ids, past_key_values=cache)
+            model(input_ids=ids, **with_cache(model, cache))
             for step, token in enumerate(steps):
                 seen = n + step + 1
-                got = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+                got = model(input_ids=torch.tensor([[token]]), **with_cache(model, cache)).logits[0, -1]
                 want = reference_step(model, entries, token, position=n + step)
                 assert (got - want).abs().max().item() < 1e-6, f"step {step}"
                 for layer, ratio in enumerate(RATIOS):

@@ -34,6 +34,7 @@ from kvtool.runtime.layer import GROWTH_SLOTS, LayerPlan
 from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.scoring import WindowScorer
 from kvtool.runtime.selection import select_rule
+from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
 
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -390,7 +391,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
     with torch.no_grad():
         maps = eager_maps(model, ids)
         full = KvtoolCache(model.config, [None] * len(RATIOS))
-        model(input_ids=ids, past_key_values=full)
+        model(input_ids=ids, **with_cache(model, full))
         layers = []
         for index, ratio in enumerate(RATIOS):
             keep = math.ceil(ratio * n - 1e-9)
@@ -421,7 +422,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
 
         with attach(model, profile):
             cache = KvtoolCache(model.config, plans)
-            model(input_ids=ids, past_key_values=cache)
+            model(input_ids=ids, **with_cache(model, cache))
             for step, token in enumerate([*steps, None]):  # check the state after `step` new tokens, then feed one
                 seen = n + step
                 for index, ratio in enumerate(RATIOS):
@@ -434,7 +435,7 @@ def test_compressed_decoding_matches_per_head_reference(case):
                         assert sorted(order[layer.valid[0]].tolist()) == [e["pos"] for e in layers[index][h]], (step, index, h)
                 if token is None:
                     break
-                got = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+                got = model(input_ids=torch.tensor([[token]]), **with_cache(model, cache)).logits[0, -1]
                 want, received = reference_step(model, layers, token, position=seen)
                 assert (got - want).abs().max().item() < 1e-6, f"step {step}"
                 for index, ratio in enumerate(RATIOS):
@@ -472,9 +473,9 @@ def test_padded_batch_equals_single_runs(llama, case):
     plans = rules_plans(profile, **BATCH_CASES[case])
     new = 20
     with torch.no_grad(), attach(llama, profile):
-        batch = llama.generate(**left_pad(seqs), max_new_tokens=new, past_key_values=KvtoolCache(llama.config, plans), **GREEDY)
+        batch = llama.generate(**left_pad(seqs), max_new_tokens=new, **with_cache(llama, KvtoolCache(llama.config, plans)), **GREEDY)
         for i, seq in enumerate(seqs):
-            single = llama.generate(**left_pad([seq]), max_new_tokens=new, past_key_values=KvtoolCache(llama.config, plans), **GREEDY)
+            single = llama.generate(**left_pad([seq]), max_new_tokens=new, **with_cache(llama, KvtoolCache(llama.config, plans)), **GREEDY)
             alone = single.sequences[0, len(seq):]
             assert torch.equal(alone, batch.sequences[i, -new:][: len(alone)]), f"sequence {i}"
             diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(single.scores, batch.scores))
@@ -486,13 +487,13 @@ def step_through(model, cache, seqs, steps):
     inputs = left_pad(seqs)
     mask = inputs["attention_mask"]
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(**inputs, position_ids=positions, **with_cache(model, cache), use_cache=True)
     yield cache
     position = mask.sum(1, keepdim=True)
     for _ in range(steps):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], dim=1)
-        out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, attention_mask=mask, position_ids=position, **with_cache(model, cache), use_cache=True)
         position = position + 1
         yield cache
 
@@ -531,7 +532,7 @@ def test_per_head_selection_in_a_padded_batch_is_each_heads_top_k(llama, monkeyp
     plans = rules_plans(profile, heads="per-head", scorer="window", window=6, pool=7)
     with torch.no_grad(), attach(llama, profile):
         cache = KvtoolCache(llama.config, plans)
-        llama(**left_pad(seqs), past_key_values=cache)
+        llama(**left_pad(seqs), **with_cache(llama, cache))
     width = max(len(s) for s in seqs)
     differ = 0
     for b, seq in enumerate(seqs):
@@ -557,7 +558,7 @@ def test_per_head_merging_rebuilds_the_shared_cache_when_heads_choose_alike(llam
     with torch.no_grad(), attach(llama, profile):
         for heads in ("shared", "per-head"):
             caches[heads] = KvtoolCache(llama.config, rules_plans(profile, heads=heads, select=select_rule("recent")))
-            llama(**left_pad(seqs), past_key_values=caches[heads])
+            llama(**left_pad(seqs), **with_cache(llama, caches[heads]))
     for shared, per_head in zip(caches["shared"].layers, caches["per-head"].layers):
         assert per_head.per_head and torch.equal(shared.valid, per_head.valid)
         assert torch.equal(per_head.order, shared.order[:, None].expand_as(per_head.order))
@@ -578,7 +579,7 @@ def test_keeping_everything_equals_the_full_cache(llama, budget):
         full = llama.generate(**inputs, max_new_tokens=8, **GREEDY)
         with attach(llama, profile):
             cache = KvtoolCache(llama.config, plans)
-            out = llama.generate(**inputs, max_new_tokens=8, past_key_values=cache, **GREEDY)
+            out = llama.generate(**inputs, max_new_tokens=8, **with_cache(llama, cache), **GREEDY)
     assert torch.equal(full.sequences, out.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(full.scores, out.scores))
     assert diff < (1e-6 if budget == 1.0 else 1e-10)
@@ -594,7 +595,7 @@ def test_recorded_scores_are_what_selection_ranked(llama):
     plans = rules_plans(profile, heads="per-head", scorer="window", window=4, pool=3, record_importance=True)
     with torch.no_grad(), attach(llama, profile):
         cache = KvtoolCache(llama.config, plans)
-        llama(**left_pad(seqs), past_key_values=cache)
+        llama(**left_pad(seqs), **with_cache(llama, cache))
     for layer in cache.layers:
         assert layer.prompt_score.shape == (2, KV_HEADS, 40)
         assert layer.prompt_scores.window is not None and layer.prompt_importance is layer.prompt_scores.importance

@@ -8,6 +8,7 @@ import torch
 from kvtool.models import format_prompts, load_model
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.models.forward import with_cache
 
 NEW = 24
 TEXTS = [
@@ -35,7 +36,7 @@ def batch(loaded, texts):
 def greedy(model, inputs, cache=None):
     with torch.inference_mode():
         out = model.generate(
-            **inputs, max_new_tokens=NEW, do_sample=False, past_key_values=cache,
+            **inputs, max_new_tokens=NEW, do_sample=False, **with_cache(model, cache),
             pad_token_id=model.generation_config.pad_token_id or 2,
         )
     return out[:, inputs["input_ids"].shape[1]:]

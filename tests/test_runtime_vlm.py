@@ -20,6 +20,7 @@ from kvtool.profiles import fingerprint_of
 from kvtool.runtime import KvtoolCache, attach, method_profile, uniform_profile
 from kvtool.runtime.layer import CompressingLayer
 from kvtool.runtime.selection import TopImportance, select_rule
+from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
 from tiny_vlms import BUILDERS, IMAGE_TOKEN
 
@@ -83,7 +84,7 @@ def test_budget_one_equals_vanilla_generation(vlm):
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=NEW, **GREEDY)
         with attach(model, uniform_profile(model, 1.0)) as handle:
-            out = model.generate(**inputs, max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+            out = model.generate(**inputs, max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
     assert torch.equal(ref.sequences, out.sequences)
     assert max_score_diff(ref, out) < 1e-6
 
@@ -100,7 +101,7 @@ def test_compressing_prompt_forward_equals_vanilla_in_row_chunks(vlm, monkeypatc
     with torch.no_grad():
         ref = model(**inputs).logits
         with attach(model, uniform_profile(model, 0.5)) as handle:
-            out = model(**inputs, past_key_values=handle.new_cache()).logits
+            out = model(**inputs, **with_cache(model, handle.new_cache())).logits
     real = inputs["attention_mask"].bool()
     assert (ref - out)[real].abs().max().item() < 1e-10
 
@@ -111,10 +112,10 @@ def test_padded_batch_equals_single_runs(vlm, method):
     lengths = [30, 17]
     profile = with_method(method_profile(method, model, 0.5), sink_tokens=2, recent_window=3, truncation_distance=5)
     with torch.no_grad(), attach(model, profile) as handle:
-        batch = model.generate(**vlm.batch(lengths), max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY)
+        batch = model.generate(**vlm.batch(lengths), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
         for i, n in enumerate(lengths):
             single = model.generate(**vlm.batch([n], seed=1 + i), max_new_tokens=NEW,
-                                    past_key_values=handle.new_cache(), **GREEDY)
+                                    **with_cache(model, handle.new_cache()), **GREEDY)
             assert torch.equal(single.sequences[0, -NEW:], batch.sequences[i, -NEW:]), f"sequence {i}"
             assert max_score_diff(single, batch, 0, i) < 1e-6
 
@@ -147,7 +148,7 @@ def test_memory_within_each_layers_share_at_every_step(vlm):
     with torch.no_grad(), attach(model, profile) as handle:
         cache = handle.new_cache()
         probe = CacheProbe(cache, check)
-        model.generate(**inputs, max_new_tokens=3 * NEW, past_key_values=cache,
+        model.generate(**inputs, max_new_tokens=3 * NEW, **with_cache(model, cache),
                        logits_processor=LogitsProcessorList([probe]), **GREEDY)
     assert probe.calls == 3 * NEW
 
@@ -161,7 +162,7 @@ def test_cache_learns_the_image_positions(vlm):
     expected = (inputs["input_ids"] == IMAGE_TOKEN) & inputs["attention_mask"].bool()
     with torch.no_grad(), attach(model, uniform_profile(model, 0.5)) as handle:
         cache = handle.new_cache()
-        model.generate(**inputs, max_new_tokens=2, past_key_values=cache, **GREEDY)
+        model.generate(**inputs, max_new_tokens=2, **with_cache(model, cache), **GREEDY)
     assert torch.equal(cache.image_mask, expected)
     assert expected.sum(1).tolist() == [vlm.image_tokens, vlm.image_tokens]
     for layer in cache.compressing_layers().values():
@@ -182,7 +183,7 @@ def test_text_prior_keeps_text_before_image_within_the_budget(vlm):
         for length in (3, 40):
             inputs = vlm.batch([length])
             cache = handle.new_cache(record_importance=True)
-            model.generate(**inputs, max_new_tokens=1, past_key_values=cache, **GREEDY)
+            model.generate(**inputs, max_new_tokens=1, **with_cache(model, cache), **GREEDY)
             image = cache.image_mask[0]
             n = image.numel()
             keep = int(np.ceil(budget * n - 1e-9))
@@ -230,7 +231,7 @@ def test_text_prior_generation_on_text_only_model_equals_importance():
             profile = profile_with(llama, 0.3, selection=selection, merge="similarity-pivot",
                                    sink_tokens=2, recent_window=3)
             with attach(llama, profile) as handle:
-                outs.append(llama.generate(**inputs, max_new_tokens=NEW, past_key_values=handle.new_cache(), **GREEDY))
+                outs.append(llama.generate(**inputs, max_new_tokens=NEW, **with_cache(llama, handle.new_cache()), **GREEDY))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert max_score_diff(outs[0], outs[1]) == 0.0
 
@@ -242,10 +243,10 @@ def test_image_mask_set_only_on_the_prompt_forward():
     with torch.no_grad(), attach(model, uniform_profile(model, 0.5)) as handle:
         cache = handle.new_cache()
         assert isinstance(cache, KvtoolCache) and cache.awaiting_prompt and cache.image_mask is None
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **with_cache(model, cache))
         first = cache.image_mask
         assert first is not None and not cache.awaiting_prompt
         # A decode forward with an image-token id as input does not touch the prompt's mask.
         mask = torch.cat([inputs["attention_mask"], torch.ones(1, 1, dtype=torch.long)], dim=1)
-        model(input_ids=torch.tensor([[IMAGE_TOKEN - 1]]), attention_mask=mask, past_key_values=cache)
+        model(input_ids=torch.tensor([[IMAGE_TOKEN - 1]]), attention_mask=mask, **with_cache(model, cache))
         assert cache.image_mask is first
