@@ -20,9 +20,8 @@ from kvtool.data.records import packaged_data
 
 
 def unseen(samples: int, seed: int) -> list[int]:
-    """Line numbers (0-based) of the calibration prompts `calibrate(samples=..., seed=...)` leaves
-    out (the search draws with `select_by_kind`; smaller draws with the same seed are subsets here,
-    which the caller can check with --samples of each run)."""
+    """Indices (0-based, non-blank lines) of the calibration prompts a recipe-searching
+    `calibrate(samples=..., seed=...)` leaves out: it draws with `select_by_kind`."""
     records = load_jsonl(None)
     drawn = {id(r) for r in select_by_kind(records, samples, seed)}
     return [i for i, r in enumerate(records) if id(r) not in drawn]
