@@ -68,6 +68,25 @@ def test_calibrate_writes_a_profile_and_summarises(
     assert "Recipe search" in shown and f"{len(tried)} recipes tried on" in shown
 
 
+def test_space_option_changes_what_the_search_tries(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    out = tmp_path / "tmp.yaml"
+    code, _, stderr = run(
+        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "3",
+        "--data", str(data_file), "--out", str(out), "--space", "pools=31", "--space", "window_shares=0.5,0.7",
+        "--space", "recent_shares=0",
+    )
+    assert code == 0, stderr
+    tried = read_profile(out).calibration.recipes
+    # The scorer stage tries each pooled scorer at every pool width and share of the space (a
+    # seed's own settings, such as TOVA's one row, may differ).
+    pooled = [t for t in tried if t.stage.startswith("scorer") and t.scorer in ("window", "union")]
+    assert pooled and {t.pool for t in pooled} == {31}
+    assert {t.window_share for t in pooled if t.scorer == "union"} == {0.5, 0.7}
+    assert not any(t.stage.startswith("recent") for t in tried)  # one recent share: nothing to try
+
+
 def test_papers_recipe_tunes_only_d_and_merge(
     tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
@@ -106,6 +125,12 @@ def test_default_out_is_profiles_model_budget(
         (["--budget", "0.3", "--out", "{tmp}/file/p.yaml"], "error: cannot write profile to"),
         (["--budget", "0.3", "--out", "{tmp}"], "error: cannot write profile to"),
         (["--budget", "0.3", "--reference-tokens", "0"], "error: reference tokens and batch size must be at least 1"),
+        (["--budget", "0.3", "--space", "pools"], "error: --space takes FIELD=V1,V2"),
+        (["--budget", "0.3", "--space", "nosuch=1"], "error: unknown --space field 'nosuch'"),
+        (["--budget", "0.3", "--space", "window_shares=half"], "error: --space window_shares: 'half' is not a number"),
+        (["--budget", "0.3", "--space", "pools=8"], "error: pool widths must be odd integers >= 1, got [8]"),
+        (["--budget", "0.3", "--space", "scorers=nosuch"], "error: unknown scorer 'nosuch'"),
+        (["--budget", "0.3", "--papers", "--space", "pools=7"], "error: --space changes the recipe search"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_file(

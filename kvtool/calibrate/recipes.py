@@ -57,7 +57,8 @@ class SearchSpace:
     # tried inside the scorer stage with each window and pool width. By default only the even
     # split: on SmolLM2 at 0.2 the shares 0.5 / 0.7 / 0.85 ranked differently with the prompts drawn
     # (5 choosing prompts: 0.7 ahead by 0.7%; 10: 0.5 ahead by 3-5%), and every option more is one
-    # more chance for a noise win on a handful of prompts. Pass `window_shares` to search them.
+    # more chance for a noise win on a handful of prompts. Pass `window_shares` (CLI: `--space
+    # window_shares=0.5,0.7`) to search them.
     window_shares: tuple[float, ...] = (0.5,)
     recent_shares: tuple[float, ...] = (0.0, 0.25, 0.5)
     merge_modes: tuple[str, ...] = ("none", "position")

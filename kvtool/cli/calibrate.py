@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, Group
@@ -61,6 +62,36 @@ def passive_openmp() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# SearchSpace fields `--space` may set, and how each value is read. D candidates and merge modes
+# are the run's own settings (the config replaces the space's), so they are not offered here.
+SPACE_FIELDS = {
+    "evictions": str, "selections": str, "scorers": str, "windows": int, "pools": int, "window_shares": float,
+    "ratio_sources": str, "heads": str, "recent_shares": float, "seeds": str,
+}
+
+
+def search_space(base: Any, options: list[str]) -> Any:
+    """`base` (a SearchSpace) with each `FIELD=V1,V2` of `options` replacing that field; a one-line
+    KvtoolError for a malformed option (the values themselves are checked with the config)."""
+    changes: dict[str, tuple] = {}
+    for option in options:
+        field, sep, values = option.partition("=")
+        field = field.strip().replace("-", "_")
+        if not sep or not values.strip():
+            raise KvtoolError(f"--space takes FIELD=V1,V2 (fields: {', '.join(SPACE_FIELDS)}), got {option!r}")
+        if field not in SPACE_FIELDS:
+            raise KvtoolError(f"unknown --space field {field!r} (fields: {', '.join(SPACE_FIELDS)})")
+        kind = SPACE_FIELDS[field]
+        parsed = []
+        for value in (v.strip() for v in values.split(",")):
+            try:
+                parsed.append(kind(value))
+            except ValueError:
+                raise KvtoolError(f"--space {field}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
+        changes[field] = tuple(parsed)
+    return dataclasses.replace(base, **changes)
+
+
 @app.command("calibrate")
 def calibrate_command(
     model: Annotated[
@@ -100,6 +131,14 @@ def calibrate_command(
             "--papers: keep the papers' recipe (attention-sum, shared, fixed-point) and tune only D and the merge mode.",
         ),
     ] = True,
+    space: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--space",
+            help="Change what the recipe search tries, FIELD=V1,V2 (repeatable): " + ", ".join(SPACE_FIELDS)
+            + "; e.g. --space window_shares=0.5,0.7 --space pools=15,31. D and the merge modes come from --merge.",
+        ),
+    ] = None,
     reference_tokens: Annotated[
         int,
         typer.Option(
@@ -119,6 +158,8 @@ def calibrate_command(
     from kvtool.files import check_writable
     from kvtool.profiles import MERGE_MODES, MethodSettings
 
+    if space and not search:
+        raise KvtoolError("--space changes the recipe search; it cannot go with --papers")
     if merge != "auto" and merge not in MERGE_MODES:
         raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
@@ -131,7 +172,8 @@ def calibrate_command(
         method=MethodSettings() if merge == "auto" else MethodSettings(merge=merge),
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
-        search=SearchSpace() if search else None,  # its D candidates and merge modes are the config's
+        # Its D candidates and merge modes are the config's.
+        search=search_space(SearchSpace(), space or []) if search else None,
     )
     with StageBars(Console(stderr=True)) as bars:
         result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)
