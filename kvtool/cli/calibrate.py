@@ -136,7 +136,8 @@ def calibrate_command(
         typer.Option(
             "--space",
             help="Change what the recipe search tries, FIELD=V1,V2 (repeatable): " + ", ".join(SPACE_FIELDS)
-            + "; e.g. --space window_shares=0.5,0.7 --space pools=15,31. D and the merge modes come from --merge.",
+            + "; e.g. --space window_shares=0.5,0.7 --space pools=15,31. The D candidates are the run's own and "
+            "--merge sets the merge modes.",
         ),
     ] = None,
     reference_tokens: Annotated[
