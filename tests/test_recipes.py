@@ -183,12 +183,12 @@ def test_draw_spreads_over_kinds_and_the_split_shares_every_kind():
 
 
 def test_the_search_space_default_covers_every_held_rule():
-    assert set(SPACE.evictions) == {"fixed-point", "heavy-hitter", "tova"}
+    assert set(SPACE.evictions) == {"fixed-point", "heavy-hitter", "heavy-hitter-window", "tova"}
     assert set(SPACE.scorers) == {"attention-sum", "window", "union"}
     product = list(itertools.product(
         SPACE.evictions, SPACE.scorers, SPACE.ratio_sources, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes
     ))
-    assert len(product) == 324  # times the D values of the fixed-point queue
+    assert len(product) == 432  # times the D values of the fixed-point queue
 
 
 # ----- what a searched profile records ------------------------------------------------------------

@@ -368,6 +368,10 @@ CASES = {
     "per-head-union70-tova": ("per-head", "union", 4, 3, "none", "tova", 0.0, 0.7),
     "shared-union85-h2o-share": ("shared", "union", 6, 7, "none", "heavy-hitter", 0.25, 0.85),
     "shared-union30-tova-position": ("shared", "union", 4, 3, "position", "tova", 0.0, 0.3),
+    # H2O seeded by the observation window (pooled as the window scorer pools it), whatever the scorer.
+    "per-head-window-h2o-window": ("per-head", "window", 4, 3, "none", "heavy-hitter-window"),
+    "shared-union-h2o-window-position": ("shared", "union", 6, 7, "position", "heavy-hitter-window"),
+    "per-head-sum-h2o-window": ("per-head", "attention-sum", 5, 3, "none", "heavy-hitter-window"),
 }
 
 
@@ -407,6 +411,11 @@ def test_compressed_decoding_matches_per_head_reference(case):
                         pooled = brute_force_union(pooled, maps[index].sum(dim=1).mean(dim=0).tolist(), window_share)
                     score = torch.tensor(pooled)[None].expand(KV_HEADS, n)
                 h2o_score = h2o_score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
+            if rule == "heavy-hitter-window":  # the question's attention, pooled, starts the sums
+                raw = maps[index][:, -window:].sum(dim=1)
+                raw = raw.view(KV_HEADS, GROUPS, n).mean(dim=1) if per_head else raw.mean(dim=0, keepdim=True)
+                pooled = torch.tensor([brute_force_pool(row.tolist(), window, pool) for row in raw])
+                h2o_score = pooled.expand(KV_HEADS, n)
             frozen = max(keep - DIST, min(SINK, keep)) if rule == "fixed-point" else min(SINK, keep)
             kv = full.layers[index]
             heads = []
@@ -463,6 +472,8 @@ BATCH_CASES = {
     "shared-union-fixed-point": dict(scorer="union", window=4, pool=3),
     "per-head-union70-tova": dict(heads="per-head", scorer="union", window=8, pool=7, evict="tova", window_share=0.7),
     "shared-union85-h2o": dict(scorer="union", window=4, pool=3, evict="heavy-hitter", window_share=0.85),
+    "per-head-union-h2o-window": dict(heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter-window"),
+    "shared-sum-h2o-window": dict(window=4, pool=3, evict="heavy-hitter-window"),
 }
 
 

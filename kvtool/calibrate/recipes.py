@@ -37,7 +37,7 @@ SEARCH_SELECTIONS = ("importance", "heavy-hitter")
 
 # Every generation rule that holds the budget; "prompt-only" lets the cache grow, so it is a mode
 # users ask for by name, never a calibration result for a budget that must hold.
-HELD_EVICTIONS = ("fixed-point", "heavy-hitter", "tova")
+HELD_EVICTIONS = ("fixed-point", "heavy-hitter", "heavy-hitter-window", "tova")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "simila
 # Which prompt tokens a layer keeps, and which entry goes during generation (kvtool.runtime.selection
 # and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
-EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter", "tova", "prompt-only")
+EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter", "heavy-hitter-window", "tova", "prompt-only")
 # What a prompt token is worth (kvtool.runtime.scoring) and whether KV heads choose their own entries.
 SCORERS = ("attention-sum", "window", "union")
 # The scorers that read the observation window and max-pool it (their window and pool matter).

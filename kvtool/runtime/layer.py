@@ -203,8 +203,11 @@ class CompressingLayer(DynamicLayer):
             return ScoreRequest(heads=True, window=plan.window)
         ranks = self.compresses and plan.select.needs_importance
         request = plan.scoring.request(per_head) if ranks else NO_EXTRAS
-        if per_head and self.compresses and plan.evict.needs_scores:
-            request = replace(request, heads=True)  # each head accumulates its own attention
+        if self.compresses and plan.evict.needs_scores:
+            seed = plan.evict.seed_request(plan, per_head)
+            if request.window and seed.window and request.window != seed.window:
+                raise KvtoolError(f"a scorer's window ({request.window}) and its eviction's ({seed.window}) must match")
+            request = replace(request, heads=request.heads or seed.heads, window=request.window or seed.window)
         return request
 
     @property
@@ -285,7 +288,7 @@ class CompressingLayer(DynamicLayer):
             image = image_mask[:, None, :].expand(-1, index.shape[1], -1) if self.per_head else image_mask
             self.image = image.gather(-1, index) & entry_valid
         if plan.evict.needs_scores and self.compresses:
-            accumulated = scores.heads if self.per_head else importance
+            accumulated = plan.evict.seed(scores, token_valid, plan, self.per_head)
             self.score = accumulated.gather(-1, index).masked_fill(~entry_valid, 0.0)
         self._prompt_columns = self.seen
         self._prompt_rank = torch.where(kept_valid, frozen_rank, torch.full_like(frozen_rank, -1))

@@ -7,12 +7,13 @@ from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
 from kvtool.runtime.eviction.fixed_point import FixedPoint, frozen_prefix
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
+from kvtool.runtime.eviction.heavy_hitter_window import HeavyHitterWindow
 from kvtool.runtime.eviction.prompt_only import PromptOnly
 from kvtool.runtime.eviction.sliding import Sliding
 from kvtool.runtime.eviction.tova import Tova
 
 EVICT_RULES: dict[str, type[EvictRule]] = {
-    rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter, Tova, PromptOnly)
+    rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter, HeavyHitterWindow, Tova, PromptOnly)
 }
 
 

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
+
 if TYPE_CHECKING:
-    from kvtool.runtime.layer import CompressingLayer
+    from kvtool.runtime.layer import CompressingLayer, LayerPlan
 
 
 class EvictRule(ABC):
@@ -35,6 +37,15 @@ class EvictRule(ABC):
     def frozen_count(self, prompt_kept: np.ndarray, *, truncation_distance: int, sink_tokens: int) -> np.ndarray:
         """How many of each sequence's compressed prompt entries (in position order) are never evicted."""
         return np.zeros_like(np.asarray(prompt_kept, dtype=np.int64))
+
+    def seed_request(self, plan: LayerPlan, per_head: bool) -> ScoreRequest:
+        """What the prompt pass must score for `seed` beside the layer-averaged column sums."""
+        return ScoreRequest(heads=per_head) if self.needs_scores else NO_EXTRAS
+
+    def seed(self, scores: PromptScores, token_valid: torch.Tensor, plan: LayerPlan, per_head: bool) -> torch.Tensor:
+        """The accumulated score each prompt column starts from ([B, n]; [B, Hkv, n] per head), for
+        rules with `needs_scores`: by default H2O's, the attention every prompt row gave it."""
+        return scores.heads if per_head else scores.importance
 
     @abstractmethod
     def victim(self, layer: CompressingLayer) -> torch.Tensor:
