@@ -251,7 +251,7 @@ def search_recipe(
     start: MethodSettings,
     space: SearchSpace,
     measure: Measure,
-    rounds: int = 2,
+    rounds: int = 4,
     seeds: tuple[MethodSettings, ...] = (),
     per_pass: int = 1,
 ) -> RecipeSearch:
@@ -261,7 +261,10 @@ def search_recipe(
 
     A round walks every stage once; the next round starts only if the last one moved (a rule chosen
     late can change which earlier value is best: the generation rule was first tried with the
-    papers' scorer), and recipes already measured are not measured again.
+    papers' scorer), up to `rounds` rounds, and recipes already measured are not measured again.
+    The search stops where no single rule change lowers the PPL; a cap of 2 rounds used to stop it
+    while the second round was still moving (SmolLM2 at 0.2: the rule changed in round 2 and the
+    ratio source after it, so the rules were never tried with that ratio source).
 
     Each call to `measure` is one teacher-forced pass with its recipes side by side, and a pass of
     a few recipes costs little more than a pass of one. So a stage with room left (fewer than
