@@ -204,9 +204,7 @@ class CompressingLayer(DynamicLayer):
         ranks = self.compresses and plan.select.needs_importance
         request = plan.scoring.request(per_head) if ranks else NO_EXTRAS
         if self.compresses and plan.evict.needs_scores:
-            seed = plan.evict.seed_request(plan, per_head)
-            if request.window and seed.window and request.window != seed.window:
-                raise KvtoolError(f"a scorer's window ({request.window}) and its eviction's ({seed.window}) must match")
+            seed = plan.evict.seed_request(plan, per_head)  # its window is the plan's, as the scorer's
             request = replace(request, heads=request.heads or seed.heads, window=request.window or seed.window)
         return request
 
