@@ -10,14 +10,14 @@ import random
 import pytest
 
 from kvtool.calibrate.recipes import (
-    STAGES,
-    stage_options,
     FIRST_STAGE,
+    STAGES,
     SearchSpace,
     brute_force,
     describe,
     recipe_key,
     search_recipe,
+    stage_options,
 )
 from kvtool.data import Record, select_by_kind, split_by_kind
 from kvtool.errors import KvtoolError
@@ -293,7 +293,6 @@ def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
 
 
 def test_the_scorer_stage_tries_the_window_scorers_once_per_pool_width():
-    from kvtool.calibrate.recipes import stage_options
 
     options = stage_options("scorer", START, SearchSpace(pools=(1, 7, 31), window_shares=(0.5,)))
     assert [(s.scorer, s.pool) for s in options] == [("attention-sum", START.pool)] + [
@@ -307,7 +306,6 @@ def test_the_scorer_stage_tries_the_window_scorers_once_per_pool_width():
 
 
 def test_the_scorer_stage_tries_the_union_at_every_window_share():
-    from kvtool.calibrate.recipes import stage_options
 
     options = stage_options("scorer", START, SearchSpace(pools=(15,), window_shares=(0.5, 0.7)))
     assert [(s.scorer, s.pool, s.window_share) for s in options] == [
@@ -397,7 +395,7 @@ def test_a_choice_the_held_out_prompts_reject_falls_back_to_the_best_finalist_ov
 def test_each_stage_hands_its_new_recipes_over_together():
     """`measure` runs a stage's recipes side by side (passes.recipe_ppls): one call per stage with
     every new recipe of it, the papers' recipe and the seeds in the first; nothing measured twice."""
-    from kvtool.calibrate.recipes import SEED_STAGE, seed_recipes, stage_options
+    from kvtool.calibrate.recipes import SEED_STAGE, seed_recipes
 
     space = SearchSpace()
     seeds = seed_recipes(space, START)
