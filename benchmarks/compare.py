@@ -59,6 +59,19 @@ def labelled(arg: str) -> tuple[Path, str | None]:
     return Path(arg), None
 
 
+def read_json(path: Path) -> dict:
+    """A results file, or a one-line error naming what is wrong with it."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as error:
+        raise SystemExit(f"error: cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"error: {path} is not JSON ({error.msg}, line {error.lineno})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise SystemExit(f"error: {path} has no \"results\" list (not a kvtool eval or peer_kvpress.py --json file)")
+    return doc
+
+
 def sem(values: list[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
 
@@ -69,7 +82,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
     kinds: list[str | None] = []
     for arg in paths:
         path, label = labelled(arg)
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
         full = full or {
             "ppl": doc["full_ppl"], "accuracy": doc.get("full_accuracy"), "kinds": doc.get("full_kinds", {}),
         }
@@ -84,7 +97,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
                 ))
     for path in peers:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
         for r in doc["results"]:
             if math.isclose(r["budget"], budget) and r["method"] != "none":
                 rows.append(Row(
@@ -184,7 +197,7 @@ def plot(evals: list[str], peers: list[Path], path: Path) -> Path:
     from kvtool.evaluate.plot import save_figure
 
     files = [labelled(e)[0] for e in evals] + peers
-    budgets = sorted({r["budget"] for p in files for r in json.loads(p.read_text())["results"] if r["budget"] < 1})
+    budgets = sorted({r["budget"] for p in files for r in read_json(p)["results"] if r["budget"] < 1})
     series: dict[str, dict[float, Row]] = {}
     full: dict = {}
     for budget in budgets:

@@ -77,6 +77,16 @@ def test_mismatched_files_are_refused(compare, tmp_path):
         compare.main([str(tmp_path / "e.json"), "--budget", "0.3"])
 
 
+def test_unreadable_files_are_one_line_errors(compare, tmp_path):
+    with pytest.raises(SystemExit, match=r"cannot read .*missing.json: No such file"):
+        compare.main([str(tmp_path / "missing.json"), "--budget", "0.2"])
+    (tmp_path / "cut.json").write_text('{"results": [')
+    with pytest.raises(SystemExit, match=r"cut.json is not JSON"):
+        compare.main([str(tmp_path / "cut.json"), "--budget", "0.2"])
+    with pytest.raises(SystemExit, match=r'other.json has no "results" list'):
+        compare.main([str(write(tmp_path / "e.json", kvtool_doc())), "--peer", str(write(tmp_path / "other.json", [1])), "--budget", "0.2"])
+
+
 def test_plot_draws_every_budget_of_the_files(compare, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     evals = write(tmp_path / "e.json", kvtool_doc())

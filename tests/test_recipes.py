@@ -261,7 +261,7 @@ def test_rebudget_solves_on_the_scorers_curves_and_prefixkv_on_attention_sums(tm
     assert method_profile("kvtool", model, profile.budget, profile) == profile
 
 
-def test_exact_answers_become_the_calibration_reference():
+def test_exact_answers_become_the_forced_calibration_reference():
     from kvtool.calibrate.runner import exact_answers
 
     records = (
@@ -272,6 +272,18 @@ def test_exact_answers_become_the_calibration_reference():
     out = exact_answers(records)
     assert [r.answer for r in out] == ["123, 456", "given", None]
     assert [r.prompt for r in out] == [r.prompt for r in records]
+
+
+def test_exact_answers_decide_the_in_context_calibration_reference():
+    from kvtool.calibrate.runner import expected_answers
+
+    records = (
+        Record(prompt="find them", answers=("123", "456"), kind="retrieval"),
+        Record(prompt="say it", answer="given", answers=("x",)),
+        Record(prompt="chat"),
+    )
+    # Scored where the full cache writes them; a given `answer` stays the reference.
+    assert expected_answers(records) == [("123", "456"), (), ()]
 
 
 def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):

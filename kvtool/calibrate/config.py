@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MERGE_MODES, MethodSettings
+from kvtool.profiles.schema import ANSWER_REFERENCES
 from kvtool.calibrate.recipes import SearchSpace
 
 DEFAULT_SAMPLES = 10
@@ -49,6 +50,13 @@ class CalibrateConfig:
     # D x `merge_modes` (the papers' recipe). A search takes its D values and merge modes from
     # `candidates` and `merge_modes`; empty `candidates` skips every search.
     search: SearchSpace | None = SearchSpace()
+    # The reference of a prompt with exact `answers` in the recipe search: "forced" (its answers
+    # joined, forced right after the prompt) or "in-context" (the full cache's continuation, scored
+    # only where it writes them: the generation rule then runs through the words before the answer).
+    # Forced stays the default: on the calibration prompts neither built-in draw uses, in-context
+    # found more needles at 0.2 and fewer at 0.5, with higher PPL at both (README, "Needles lost
+    # while generating").
+    answer_references: str = "forced"
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -70,6 +78,10 @@ class CalibrateConfig:
         unknown = [m for m in merge_modes if m not in MERGE_MODES]
         if unknown:
             raise KvtoolError(f"unknown merge mode {unknown[0]!r} (known: {', '.join(MERGE_MODES)})")
+        if self.answer_references not in ANSWER_REFERENCES:
+            raise KvtoolError(
+                f"answer references must be one of {', '.join(ANSWER_REFERENCES)}, got {self.answer_references!r}"
+            )
         if self.reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
@@ -81,6 +93,7 @@ class CalibrateConfig:
             reference_tokens=self.reference_tokens,
             batch_size=self.batch_size,
             merge_modes=merge_modes,
+            answer_references=self.answer_references,
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

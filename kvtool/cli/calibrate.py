@@ -148,6 +148,16 @@ def calibrate_command(
             "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens).",
         ),
     ] = 64,  # kvtool.calibrate.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
+    answer_references: Annotated[
+        str,
+        typer.Option(
+            "--answer-references",
+            help="How the search scores prompts with exact answers (retrieval needles): 'forced' (default) forces "
+            "the answers right after the prompt; 'in-context' teacher-forces the full cache's own continuation and "
+            "scores only where it writes them, so a generation rule that drops the needle during the words before "
+            "the answer is seen.",
+        ),
+    ] = "forced",
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()
@@ -161,6 +171,8 @@ def calibrate_command(
 
     if space and not search:
         raise KvtoolError("--space changes the recipe search; it cannot go with --papers")
+    if answer_references != "forced" and not search:
+        raise KvtoolError("--answer-references changes the recipe search's references; it cannot go with --papers")
     if merge != "auto" and merge not in MERGE_MODES:
         raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
@@ -173,6 +185,7 @@ def calibrate_command(
         method=MethodSettings() if merge == "auto" else MethodSettings(merge=merge),
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
+        answer_references=answer_references,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )
@@ -246,6 +259,8 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
         )
     else:
         facts.add_row("Recipe", f"{describe(picked)} (lowest PPL on {chosen.chosen_on} prompts)")
+    if result.profile.calibration.answer_references == "in-context":
+        facts.add_row("Answer rows", "scored where the full cache's continuation writes the answers (in-context)")
     facts.add_row(
         "Calibration PPL",
         f"full {chosen.ppl_full:.3f} → {chosen.search.ppl_of(picked):.3f} (papers' recipe "
