@@ -178,7 +178,7 @@ def full_pass(
                     length=reference_tokens, eos_ids=eos,
                     pad_id=tokenizer.pad_token_id, answers=batch_answers, on_step=steps.step,
                 )
-                if index < len(expected):
+                if expected:
                     references = score_answers_only(references, expected[index], decode)
                 states.append(PromptState(batch, first_logits, snapshot, references))
     finally:
