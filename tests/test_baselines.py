@@ -16,6 +16,7 @@ from kvtool.profiles import EVICTION_RULES, MERGE_MODES, SELECTION_RULES, save_p
 from kvtool.runtime import METHODS, attach, load_profile, method_profile
 from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
+from kvtool.runtime.selection import kept_count
 from kvtool.runtime.importance import decode_attention_with_scores
 from kvtool.runtime.merge import MERGE_RULES
 from kvtool.runtime.selection import SELECT_RULES
@@ -177,9 +178,14 @@ def test_h2o_victim_is_the_lowest_score_outside_the_recent_half():
     order = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
     score = torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0]])
     layer = SimpleNamespace(valid=valid, order=order, score=score, seen=6, tokens=np.array([10]),
-                            plan=SimpleNamespace(ratio=0.5))
+                            plan=SimpleNamespace(ratio=0.5, keep=lambda tokens: kept_count(0.5, tokens)))
     # share ceil(0.5 * 10) = 5, recent half = 2: columns 4 and 5 are protected, slot 1 is lowest of the rest.
     assert HeavyHitter().victim(layer).tolist() == [1]
+    # A floor of 8 entries makes the share 8 and the recent half 4: columns 2-5 protected, and of
+    # columns 0 and 1 column 0 (5.0) is now the lower.
+    layer.plan = SimpleNamespace(ratio=0.5, keep=lambda tokens: kept_count(0.5, tokens, 8))
+    layer.score = torch.tensor([[5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]])
+    assert HeavyHitter().victim(layer).tolist() == [0]
 
 
 def test_decode_attention_with_scores_matches_sdpa():

@@ -36,6 +36,20 @@ def test_budget_shrinks_the_reported_cache(tiny_llama_dir: Path) -> None:
     assert small["kv_bytes"] < 0.6 * full["kv_bytes"]
 
 
+def test_min_kept_floor_through_the_cli(tiny_llama_dir: Path) -> None:
+    full = generate_json(tiny_llama_dir)
+    small = generate_json(tiny_llama_dir, "--budget", "0.25")
+    whole = generate_json(tiny_llama_dir, "--budget", "0.25", "--min-kept", "1000")
+    some = generate_json(tiny_llama_dir, "--budget", "0.25", "--min-kept", "40")
+    # A floor above every sequence keeps it whole: the full cache's text (the kvtool cache's bytes
+    # also count its slot bookkeeping and growth slots).
+    assert whole["outputs"] == full["outputs"] and small["outputs"] != full["outputs"]
+    assert "at least 1000 entries per layer" in whole["cache"]
+    assert small["kv_bytes"] < some["kv_bytes"] < whole["kv_bytes"]
+    done = run_cli("generate", str(tiny_llama_dir), "hi", "--min-kept", "-1")
+    assert done.returncode == 2 and "'--min-kept'" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_profile_file_is_used(tiny_llama_dir: Path, tmp_path: Path) -> None:
     profile = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
     path = save_profile(profile, tmp_path / "tiny.yaml")

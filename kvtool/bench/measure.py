@@ -29,7 +29,6 @@ from kvtool.runtime.attach import layer_plans
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
-from kvtool.runtime.selection import kept_count
 
 # The three caches, in the order each round runs them (keys of the JSON report).
 FULL, COMPRESSED, CEILING = "full", "compressed", "ceiling"
@@ -151,7 +150,7 @@ def truncate_like(cache: Any, plans: Sequence[LayerPlan | None]) -> None:
         if plan is None or plan.ratio >= 1.0 or getattr(layer, "keys", None) is None:
             continue
         n = int(layer.keys.shape[-2])
-        keep = int(kept_count(plan.ratio, np.array([n]))[0])
+        keep = int(plan.keep(np.array([n]))[0])
         layer.keys = layer.keys[:, :, :keep].contiguous()
         layer.values = layer.values[:, :, :keep].contiguous()
 

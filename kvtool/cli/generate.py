@@ -36,8 +36,32 @@ def result_to_dict(model_name: str, result: GenerationResult, cache_note: str) -
     }
 
 
+# Below this many entries in some layer, a compressed prompt is mostly gone: say how to keep more.
+FEW_ENTRIES = 16
+SUGGESTED_FLOOR = 64
+
+
+def short_prompt_hint(ratios: list[float], prompt_tokens: list[int], min_kept: int) -> str | None:
+    """A one-line hint when the shortest prompt left some compressing layer fewer than FEW_ENTRIES
+    entries and no floor was asked for."""
+    if min_kept or not ratios or not prompt_tokens:
+        return None
+    from kvtool.runtime.selection import kept_count
+
+    shortest = min(prompt_tokens)
+    fewest = int(kept_count(min(ratios), [shortest])[0])
+    if fewest >= FEW_ENTRIES or fewest >= shortest:
+        return None
+    return (
+        f"short prompt: a {shortest}-token prompt leaves some layers {fewest} entries at this budget; "
+        f"--min-kept {SUGGESTED_FLOOR} keeps at least {SUGGESTED_FLOOR} per layer (memory above the budget until "
+        "prompts are longer)"
+    )
+
+
 def render(
-    console: Console, loaded: LoadedModel, prompts: list[str], result: GenerationResult, cache_note: str
+    console: Console, loaded: LoadedModel, prompts: list[str], result: GenerationResult, cache_note: str,
+    hint: str | None = None,
 ) -> None:
     for index, (prompt, output) in enumerate(zip(prompts, result.outputs), start=1):
         # Text objects, not markup strings: prompts and outputs may contain "[...]".
@@ -46,6 +70,8 @@ def render(
         console.print()
     console.print(Text(f"model {loaded.name}: {loaded.source}", style="dim"), soft_wrap=True)
     console.print(Text(f"KV cache: {cache_note}", style="dim"), soft_wrap=True)
+    if hint:
+        console.print(Text(hint, style="yellow"), soft_wrap=True)
     table = Table(show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
@@ -76,6 +102,14 @@ def generate_command(
     profile: Annotated[
         Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
     ] = None,
+    min_kept: Annotated[
+        int,
+        typer.Option(
+            "--min-kept", min=0,
+            help="Entries every compressing layer keeps at least (all of a shorter prompt): short prompts at a "
+            "small budget leave some layers a handful of entries. 0 (default): the budget alone.",
+        ),
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Generate continuations for PROMPTs as one batch; report timing and KV-cache bytes."""
@@ -93,8 +127,10 @@ def generate_command(
     cache_factory = None
     cache_note = "full (uncompressed) cache"
     if chosen is not None:
-        handle = attach(loaded.model, chosen[0])
+        handle = attach(loaded.model, chosen[0], min_kept=min_kept)
         cache_factory, cache_note = handle.new_cache, chosen[1]
+        if min_kept:
+            cache_note += f"; at least {min_kept} entries per layer"
     try:
         result = generate(
             loaded.model,
@@ -112,4 +148,5 @@ def generate_command(
         # Plain echo, not rich: the output must stay parseable JSON.
         typer.echo(json.dumps(result_to_dict(loaded.name, result, cache_note), ensure_ascii=False))
         return
-    render(Console(), loaded, prompts, result, cache_note)
+    ratios = [] if chosen is None else [l.ratio for l in chosen[0].layers if l.compress and l.ratio < 1.0]
+    render(Console(), loaded, prompts, result, cache_note, short_prompt_hint(ratios, result.prompt_tokens, min_kept))

@@ -74,7 +74,7 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
     )
 
 
-def layer_plans(profile: Profile) -> list[LayerPlan | None]:
+def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
     method = profile.method
     rule, select, evict = merge_rule(method.merge), select_rule(method.selection), evict_rule(method.eviction)
     plans: list[LayerPlan | None] = []
@@ -97,6 +97,7 @@ def layer_plans(profile: Profile) -> list[LayerPlan | None]:
                 window_share=method.window_share,
                 heads=method.heads,
                 recent_share=method.recent_share,
+                min_kept=min_kept,
             )
         )
     return plans
@@ -195,9 +196,13 @@ def _check_fits(profile: Profile, model) -> None:
         )
 
 
-def attach(model, profile: Profile) -> KvtoolHandle:
-    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model."""
+def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
+    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model.
+
+    `min_kept` > 0 lets every compressing layer keep at least that many entries per sequence (all of
+    a shorter one): a floor for short prompts, above the budget only while ratio * T is below it."""
     _check_fits(profile, model)
+    plans = layer_plans(profile, min_kept)
     name = attention.register()
     previous = _implementations(model)
     config = model.config
@@ -217,4 +222,4 @@ def attach(model, profile: Profile) -> KvtoolHandle:
             )
         model.set_attn_implementation(target)
     hook = model.register_forward_pre_hook(_forward_pre_hook(image_token_ids(config)), with_kwargs=True)
-    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=layer_plans(profile), _hook=hook)
+    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=plans, _hook=hook)

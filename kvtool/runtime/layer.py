@@ -65,11 +65,21 @@ class LayerPlan:
     # Share of each sequence's kept prompt entries reserved for the most recent tokens (on top of
     # `recent_window`): on a small budget the question and the last turn are what the answer reads.
     recent_share: float = 0.0
+    # Entries a layer keeps however short the sequence (`attach(..., min_kept=N)`): at 0.2 a 30-token
+    # chat prompt leaves some layers 2 entries and the model degenerates, while a floor of 64 costs
+    # nothing once ratio * T passes it (T > 320 tokens at 0.2). 0: the ratio alone.
+    min_kept: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:
+            raise KvtoolError(f"min-kept must be an integer >= 0, got {self.min_kept!r}")
         if self.heads not in HEAD_MODES:
             raise KvtoolError(f"unknown head mode {self.heads!r} (known: {', '.join(HEAD_MODES)})")
         self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
+
+    def keep(self, tokens: np.ndarray) -> np.ndarray:
+        """Entries each sequence keeps after `tokens` real tokens: ceil(ratio * T), at least `min_kept`."""
+        return kept_count(self.ratio, tokens, self.min_kept)
 
     @property
     def scoring(self) -> Scorer:
@@ -261,7 +271,7 @@ class CompressingLayer(DynamicLayer):
         image_mask = self._image_mask(token_valid)
         self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
         plan = self.plan
-        keep = kept_count(plan.ratio, self.tokens)
+        keep = plan.keep(self.tokens)
         importance = None if scores is None else scores.importance
         rank_by = self._rank_by(scores, token_valid)
         if plan.record_importance:
@@ -441,11 +451,11 @@ class CompressingLayer(DynamicLayer):
             self.attention = received
 
     def evict_over_budget(self) -> None:
-        """Where kept > ceil(R * T), drop the one entry the plan's eviction rule names (never for
+        """Where kept > ceil(R * T) (and the floor), drop the one entry the plan's eviction rule names (never for
         prompt-only rules, under which the cache grows by one entry per new token)."""
         if not self.plan.evict.holds_budget:
             return
-        over = self.kept > kept_count(self.plan.ratio, self.tokens)
+        over = self.kept > self.plan.keep(self.tokens)
         if not over.any():
             return
         victim = self.plan.evict.victim(self)

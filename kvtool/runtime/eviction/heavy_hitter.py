@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from kvtool.runtime.eviction.base import EvictRule, entry_valid
-from kvtool.runtime.selection.base import kept_count
 
 
 class HeavyHitter(EvictRule):
@@ -16,7 +15,7 @@ class HeavyHitter(EvictRule):
     needs_scores = True
 
     def victim(self, layer) -> torch.Tensor:
-        recent = torch.as_tensor(kept_count(layer.plan.ratio, layer.tokens) // 2, device=layer.order.device)
+        recent = torch.as_tensor(layer.plan.keep(layer.tokens) // 2, device=layer.order.device)
         # Real tokens occupy the last logical columns of each row, so the newest `recent` of them
         # are the columns from `seen - recent` on.
         newest = (layer.seen - recent).view(-1, *([1] * (layer.order.dim() - 1)))

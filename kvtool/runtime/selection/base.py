@@ -10,13 +10,13 @@ import numpy as np
 import torch
 
 
-def kept_count(ratio: float, n_tokens: np.ndarray) -> np.ndarray:
-    """ceil(ratio * n) per sequence, at least 1 and at most n (0 for an empty sequence).
+def kept_count(ratio: float, n_tokens: np.ndarray, floor: int = 0) -> np.ndarray:
+    """ceil(ratio * n) per sequence, at least `floor` (and 1) and at most n (0 for an empty sequence).
 
     The epsilon keeps float noise (0.2 * 10 = 2.0000000000000004) from adding an entry.
     """
     n = np.asarray(n_tokens, dtype=np.int64)
-    k = np.ceil(ratio * n - 1e-9).astype(np.int64)
+    k = np.maximum(np.ceil(ratio * n - 1e-9).astype(np.int64), floor)
     return np.clip(k, np.minimum(n, 1), n)
 
 
