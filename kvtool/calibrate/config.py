@@ -54,8 +54,8 @@ class CalibrateConfig:
     # joined, forced right after the prompt) or "in-context" (the full cache's continuation, scored
     # only where it writes them: the generation rule then runs through the words before the answer).
     # Forced stays the default: on the calibration prompts neither built-in draw uses, in-context
-    # found more needles at 0.2 and fewer at 0.5, with higher PPL at both (README, "Needles lost
-    # while generating").
+    # found more needles at 0.2 and fewer at 0.5, with higher PPL at both (README, "Scoring the
+    # answer where the model writes it").
     answer_references: str = "forced"
 
     def checked(self) -> "CalibrateConfig":
