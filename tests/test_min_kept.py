@@ -79,6 +79,15 @@ def test_a_padded_batch_with_a_floor_equals_single_runs():
             assert torch.equal(alone, batch.sequences[i, -NEW:][: len(alone)]), f"sequence {i}"
 
 
+def test_caches_for_other_profiles_keep_the_handles_floor():
+    model = tiny_llama()
+    with attach(model, profile_with(model, 0.2), min_kept=7) as handle:
+        other = handle.cache_for(profile_with(model, 0.3, eviction="tova", merge="none"))
+        floors = {layer.plan.min_kept for layer in other.layers if isinstance(layer, CompressingLayer)}
+        assert floors == {7}
+        assert {l.plan.min_kept for l in handle.new_cache().layers if isinstance(l, CompressingLayer)} == {7}
+
+
 @pytest.mark.parametrize("bad", [-1, 2.5, True])
 def test_a_bad_floor_is_a_one_line_error(bad):
     model = tiny_llama()

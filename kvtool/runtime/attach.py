@@ -113,6 +113,7 @@ class KvtoolHandle:
     _plans: list = field(default_factory=list)
     _hook: object = None  # the forward pre-hook that hands each call's kvtool cache to the attention
     attached: bool = True
+    min_kept: int = 0  # the floor `attach` was given; caches for other profiles keep it too
 
     def new_cache(self, *, record_importance: bool = False) -> KvtoolCache:
         """A fresh cache for one generate call. `record_importance` keeps each layer's prompt
@@ -126,11 +127,11 @@ class KvtoolHandle:
 
     def cache_for(self, profile: Profile) -> KvtoolCache:
         """A fresh cache that follows another profile of the same model (attention and hook serve
-        every kvtool cache alike): calibration runs several recipes' caches side by side."""
+        every kvtool cache alike, with the handle's floor): calibration runs several recipes' caches side by side."""
         if not self.attached:
             raise KvtoolError("this kvtool handle was detached; attach the profile again")
         _check_fits(profile, self.model)
-        return KvtoolCache(self.model.config, layer_plans(profile))
+        return KvtoolCache(self.model.config, layer_plans(profile, self.min_kept))
 
     def detach(self) -> None:
         if self.attached:
@@ -222,4 +223,4 @@ def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
             )
         model.set_attn_implementation(target)
     hook = model.register_forward_pre_hook(_forward_pre_hook(image_token_ids(config)), with_kwargs=True)
-    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=plans, _hook=hook)
+    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=plans, _hook=hook, min_kept=min_kept)
