@@ -116,6 +116,15 @@ def test_compressed_methods_cost_quality_and_save_memory(loaded, prompts_file):
         assert by[(method, 0.2)].kv_fraction < 0.6  # 16-slot growth floor on ~50-token prompts
         assert by[(method, 1.0)].ppl == pytest.approx(report.full_ppl, rel=1e-5)
         assert by[(method, 1.0)].rouge_l == 1.0
+        assert by[(method, 1.0)].agreement == 1.0
+        # Greedy decoding through the compressed cache leaves the full cache's text exactly at the
+        # first reference token the teacher-forced pass does not rank first: a prompt whose every
+        # token agrees is generated identically, and one generated differently has a miss.
+        scores = by[(method, 0.2)].per_prompt
+        for top1, tokens, rouge in zip(scores.top1, scores.tokens, scores.rouge_l):
+            assert 0 <= top1 <= tokens
+            assert (top1 == tokens) == (rouge == 1.0)
+        assert by[(method, 0.2)].agreement == pytest.approx(sum(scores.top1) / sum(scores.tokens))
     assert report.reference_tokens > 0
 
 
@@ -231,6 +240,8 @@ def test_accuracy_kinds_and_per_prompt_values_in_data_order(loaded, tiny_llama_d
         assert result["kinds"]["text"]["accuracy"] is None and result["kinds"]["lookup"]["samples"] == 3
         tokens, nll = result["tokens_per_prompt"], result["nll_per_prompt"]
         assert result["ppl"] == pytest.approx(math.exp(sum(nll) / sum(tokens)))
+        assert result["agreement"] == pytest.approx(sum(result["top1_per_prompt"]) / sum(tokens))
+        assert set(result["kinds"]["text"]) >= {"agreement", "ppl", "rouge_l"}
     at_one = next(r for r in doc["results"] if r["budget"] == 1.0)
     expected = [None if "answers" not in r else (0.5 if "cat" in o.lower() else 0.0) for r, o in zip(rows, alone)]
     assert at_one["accuracy_per_prompt"] == expected

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvtool.scoring import left_pad, prompt_forward, reference_continuations, teacher_forced_nll
+from kvtool.scoring import left_pad, prompt_forward, reference_continuations, teacher_forced, teacher_forced_nll
 from tiny_models import tiny_llama
 
 LENGTH = 7
@@ -77,6 +77,26 @@ def test_teacher_forcing_through_the_same_cache_reproduces_the_reference_nll(mod
         nll = teacher_forced_nll(model, cache, first, batch, refs, on_step=lambda: steps.append(1))
     assert torch.equal(nll, refs.nll_full)
     assert len(steps) == refs.steps - 1
+
+
+def test_top1_agreement_is_the_argmax_of_plain_forwards(model, batch) -> None:
+    """Teacher-forced top-1: True exactly where the scored reference token is the argmax after the
+    prompt and the reference before it (so every greedy token agrees; a forced answer token agrees
+    only where the model would have written it); False where nothing is scored."""
+    eos = references(model, batch).tokens[1, 2].item()
+    answer = [11, 12, 13]
+    refs = references(model, batch, eos={eos}, answers=(None, None, answer))
+    cache, first = prompt(model, batch)
+    with torch.inference_mode():
+        forced = teacher_forced(model, cache, first, batch, refs)
+    assert torch.equal(forced.nll, refs.nll_full)
+    assert not forced.top1[~refs.scored].any()
+    assert forced.top1[:2][refs.scored[:2]].all()  # the greedy rows
+    ids = batch.input_ids[2][batch.attention_mask[2].bool()].tolist()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids + answer])).logits[0]
+    argmax = logits[len(ids) - 1 : -1].argmax(dim=-1).tolist()
+    assert forced.top1[2, :3].tolist() == [a == t for a, t in zip(argmax, answer)]
 
 
 def test_eos_ends_a_row_and_answers_are_forced(model, batch) -> None:

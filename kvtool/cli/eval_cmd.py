@@ -129,6 +129,7 @@ def render(console: Console, report: EvalReport) -> None:
     table.add_column("ROUGE-L", justify="right")
     if with_accuracy:
         table.add_column("accuracy", justify="right")
+    table.add_column("top-1", justify="right")
     table.add_column("KV kept", justify="right")
     budgets = list(dict.fromkeys(r.budget for r in report.results))
     for budget in budgets:
@@ -146,6 +147,7 @@ def render(console: Console, report: EvalReport) -> None:
             if with_accuracy:
                 accuracy = f"{r.accuracy:.3f}" if r.accuracy is not None else "-"
                 cells.append(f"[bold]{accuracy}[/]" if r.accuracy == best_accuracy and several else accuracy)
+            cells.append("-" if r.agreement is None else f"{r.agreement:.1%}")
             table.add_row(*cells, f"{r.kv_fraction:.1%}", end_section=i == len(rows) - 1)
     console.print(table)
     if len(report.kind_rows) > 1:
@@ -157,7 +159,8 @@ def render(console: Console, report: EvalReport) -> None:
     console.print(
         f"full cache: PPL {report.full_ppl:.3f} on {report.reference_tokens} reference tokens "
         f"({report.references}){accuracy[0]}; ROUGE-L is against the full cache's greedy output (1.0 = identical; "
-        f"± one standard error over prompts){accuracy[1]}.",
+        f"± one standard error over prompts){accuracy[1]}; top-1 is the share of reference tokens the compressed "
+        f"cache itself ranks first when fed the reference (greedy output leaves the full cache's at the first miss).",
         soft_wrap=True,
     )
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)

@@ -17,15 +17,24 @@ class PromptScores:
     tokens: tuple[int, ...] = ()  # reference tokens scored
     rouge_l: tuple[float, ...] = ()
     accuracy: tuple[float | None, ...] = ()  # None where the prompt has no expected answers
+    # Reference tokens that were the compressed cache's own top choice (teacher-forced): where a
+    # greedy output would have stayed on the full cache's. Empty for the full cache.
+    top1: tuple[int, ...] = ()
 
     def subset(self, rows: list[int]) -> "PromptScores":
         return PromptScores(*(tuple(values[i] for i in rows) if values else () for values in
-                              (self.nll, self.tokens, self.rouge_l, self.accuracy)))
+                              (self.nll, self.tokens, self.rouge_l, self.accuracy, self.top1)))
 
     @property
     def ppl(self) -> float:
         count = sum(self.tokens)
         return math.exp(sum(self.nll) / count) if count else math.nan
+
+    @property
+    def agreement(self) -> float | None:
+        """Top-1 agreement pooled over every scored reference token (None when not measured)."""
+        count = sum(self.tokens)
+        return sum(self.top1) / count if self.top1 and count else None
 
     @property
     def mean_accuracy(self) -> float | None:
@@ -56,6 +65,11 @@ class MethodResult:
     def accuracy(self) -> float | None:
         """Mean answer accuracy over the prompts that have expected answers; None when none has."""
         return self.per_prompt.mean_accuracy
+
+    @property
+    def agreement(self) -> float | None:
+        """Share of reference tokens the compressed cache itself ranks first (teacher-forced)."""
+        return self.per_prompt.agreement
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,8 @@ class EvalReport:
                     "accuracy_per_prompt": list(r.per_prompt.accuracy),
                     "nll_per_prompt": list(r.per_prompt.nll),
                     "tokens_per_prompt": list(r.per_prompt.tokens),
+                    "agreement": r.agreement,
+                    "top1_per_prompt": list(r.per_prompt.top1),
                     "kinds": {kind: _kind_summary(r.per_prompt.subset(rows)) for kind, rows in self.kind_rows.items()},
                 }
                 for r in self.results
@@ -142,5 +158,6 @@ def _kind_summary(scores: PromptScores) -> dict[str, Any]:
         "rouge_l": sum(scores.rouge_l) / len(scores.rouge_l),
         "rouge_l_sem": _finite(standard_error(scores.rouge_l)),
         "accuracy": scores.mean_accuracy,
+        "agreement": scores.agreement,
         "samples": len(scores.rouge_l),
     }

@@ -39,7 +39,7 @@ from kvtool.scoring import (
     encode_batches,
     prompt_forward,
     reference_continuations,
-    teacher_forced_nll,
+    teacher_forced,
 )
 
 Progress = Callable[[str, int, int], None]
@@ -94,6 +94,7 @@ class _PerPrompt:
     tokens: list[int] = field(default_factory=list)
     rouge_l: list[float] = field(default_factory=list)
     accuracy: list[float | None] = field(default_factory=list)
+    top1: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nll, self.tokens = [0.0] * self.size, [0] * self.size
@@ -104,8 +105,14 @@ class _PerPrompt:
             self.nll[row] = float(nll[b][scored[b]].sum())
             self.tokens[row] = int(scored[b].sum())
 
+    def add_top1(self, rows: tuple[int, ...], top1: torch.Tensor) -> None:
+        if not self.top1:
+            self.top1 = [0] * self.size
+        for b, row in enumerate(rows):
+            self.top1[row] = int(top1[b].sum())
+
     def scores(self) -> PromptScores:
-        return PromptScores(tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy))
+        return PromptScores(tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy), tuple(self.top1))
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:
@@ -181,9 +188,10 @@ class _Evaluation:
                 cache = handle.new_cache()
                 first = prompt_forward(self.model, target.batch, cache)
                 greedy_cache = copy.deepcopy(cache)
-                scores = teacher_forced_nll(self.model, cache, first, target.batch, target.references)
-                nll.add(scores, target.references.scored)
-                per_prompt.add_nll(target.batch.rows, scores, target.references.scored)
+                forced = teacher_forced(self.model, cache, first, target.batch, target.references)
+                nll.add(forced.nll, target.references.scored)
+                per_prompt.add_nll(target.batch.rows, forced.nll, target.references.scored)
+                per_prompt.add_top1(target.batch.rows, forced.top1)
                 greedy = self._greedy(greedy_cache, first, target.batch)
                 kept += kv_bytes(greedy_cache)
                 full += kv_bytes_full(greedy_cache)

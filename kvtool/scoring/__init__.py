@@ -5,6 +5,7 @@ NLL through a full or compressed cache, all on one token-stepping loop."""
 from kvtool.scoring.batches import Batch, encode_batches, left_pad, make_batches, model_positions
 from kvtool.scoring.encoding import Encoded, encode_answers, encode_prompt, encode_samples
 from kvtool.scoring.engine import (
+    Forced,
     NllTotal,
     PromptMeanNll,
     References,
@@ -12,12 +13,14 @@ from kvtool.scoring.engine import (
     prompt_forward,
     reference_continuations,
     step_tokens,
+    teacher_forced,
     teacher_forced_nll,
 )
 
 __all__ = [
     "Batch",
     "Encoded",
+    "Forced",
     "NllTotal",
     "PromptMeanNll",
     "References",
@@ -32,5 +35,6 @@ __all__ = [
     "prompt_forward",
     "reference_continuations",
     "step_tokens",
+    "teacher_forced",
     "teacher_forced_nll",
 ]

@@ -202,6 +202,38 @@ def reference_continuations(
     return References(tokens=tokens, scored=scored, nll_full=nll)
 
 
+@dataclass(frozen=True)
+class Forced:
+    """What a teacher-forced pass measured per reference token: its NLL and whether it was the
+    compressed cache's own top choice (where the greedy output would have stayed on the reference)."""
+
+    nll: torch.Tensor  # [B, L] float64; 0 where not scored
+    top1: torch.Tensor  # [B, L] bool; False where not scored
+
+
+def teacher_forced(
+    model: Any,
+    cache: Any,
+    first_logits: torch.Tensor,
+    batch: Batch,
+    references: References,
+    on_step: StepHook | None = None,
+) -> Forced:
+    """The reference tokens fed one at a time through `cache`: their NLL and top-1 agreement."""
+    rows, length = references.tokens.shape
+    nll = torch.zeros(rows, length, dtype=torch.float64, device=first_logits.device)
+    top1 = torch.zeros(rows, length, dtype=torch.bool, device=first_logits.device)
+
+    def score(t: int, logits: torch.Tensor) -> torch.Tensor:
+        token, scored = references.tokens[:, t], references.scored[:, t]
+        nll[:, t] = torch.where(scored, _nll(logits, token), 0.0)
+        top1[:, t] = scored & (logits.argmax(dim=-1) == token)
+        return token
+
+    step_tokens(model, cache, first_logits, batch, references.steps, score, on_step)
+    return Forced(nll=nll, top1=top1)
+
+
 def teacher_forced_nll(
     model: Any,
     cache: Any,
@@ -211,13 +243,4 @@ def teacher_forced_nll(
     on_step: StepHook | None = None,
 ) -> torch.Tensor:
     """NLL [B, L] of the reference tokens fed one at a time through `cache` (0 where not scored)."""
-    rows, length = references.tokens.shape
-    nll = torch.zeros(rows, length, dtype=torch.float64, device=first_logits.device)
-
-    def score(t: int, logits: torch.Tensor) -> torch.Tensor:
-        token = references.tokens[:, t]
-        nll[:, t] = torch.where(references.scored[:, t], _nll(logits, token), 0.0)
-        return token
-
-    step_tokens(model, cache, first_logits, batch, references.steps, score, on_step)
-    return nll
+    return teacher_forced(model, cache, first_logits, batch, references, on_step).nll
