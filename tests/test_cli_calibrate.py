@@ -190,6 +190,25 @@ def test_reference_tokens_default_is_the_library_default() -> None:
     assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS
 
 
+def test_lookahead_default_is_the_library_default_and_reaches_the_profile(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import inspect
+
+    from kvtool.calibrate.config import DEFAULT_LOOKAHEAD
+    from kvtool.cli.calibrate import calibrate_command
+
+    assert inspect.signature(calibrate_command).parameters["lookahead"].default == DEFAULT_LOOKAHEAD
+    out = tmp_path / "p.yaml"
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
+                       "--data", str(data_file), "--papers", "--lookahead", "3", "--out", str(out))
+    assert code == 0, err
+    assert read_profile(out).method.lookahead == 3
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--lookahead", "-1",
+                       "--out", str(tmp_path / "q.yaml"))
+    assert code == 2 and "lookahead" in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()
+
+
 def test_malformed_data_line_is_named(tiny_llama_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "the cat sat"}\n{"prompt": oops}\n', encoding="utf-8")

@@ -166,9 +166,10 @@ def test_prefixkv_without_a_profile_calibrates_first_and_says_so(tiny_llama_dir,
         (["--budgets", "0"], "outside (0, 1]"),
         (["--budgets", "half"], "not a number"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--score-from", "64"], "--score-from"),
         (["--profile", "MISSING.yaml"], "MISSING.yaml"),
     ],
-    ids=["missing-file", "empty-data", "unknown-method", "budget-high", "budget-zero", "budget-text", "new-tokens", "profile"],
+    ids=["missing-file", "empty-data", "unknown-method", "budget-high", "budget-zero", "budget-text", "new-tokens", "score-from", "profile"],
 )
 def test_bad_input_is_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, args, fragment):
     empty = tmp_path / "empty.jsonl"
@@ -259,3 +260,58 @@ def test_query_aware_methods_run_through_eval(loaded, prompts_file):
         assert by[(method, 1.0)].ppl == pytest.approx(report.full_ppl, rel=1e-5)
         assert by[(method, 1.0)].rouge_l == 1.0
     assert by[("tova", 0.3)].kv_fraction < by[("snapkv", 0.3)].kv_fraction < 1.0
+
+
+def test_score_from_leaves_the_first_tokens_out(loaded, prompts_file):
+    """PPL, top-1 and token counts from token K on are the whole run's minus its first K tokens
+    (the K-token run of the same greedy references); accuracy still reads the whole output."""
+    records = load_jsonl(prompts_file)
+
+    def run_eval(new: int, start: int):
+        config = EvalConfig(methods=("h2o",), budgets=(0.3,), max_new_tokens=new, score_from=start)
+        return evaluate(loaded, data=records, config=config)
+
+    whole, head, tail = run_eval(6, 0), run_eval(2, 0), run_eval(6, 2)
+    assert tail.score_from == 2 and tail.to_dict()["score_from"] == 2
+    for a, b, c in ((whole.full, head.full, tail.full), *((w.per_prompt, h.per_prompt, t.per_prompt)
+                    for w, h, t in zip(whole.results, head.results, tail.results))):
+        assert [x - y for x, y in zip(a.tokens, b.tokens)] == list(c.tokens)
+        assert all(t > 0 for t in c.tokens)
+        assert [x - y for x, y in zip(a.nll, b.nll)] == pytest.approx(list(c.nll), abs=1e-9)
+        if a.top1:
+            assert [x - y for x, y in zip(a.top1, b.top1)] == list(c.top1)
+    # ROUGE-L compares the outputs from token 2 on: both texts are decoded from their third token.
+    from kvtool.evaluate.runner import _texts
+    from kvtool.scoring import References
+
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+    refs = References(tokens=ids, scored=torch.tensor([[True] * 4, [True, True, True, False]]), nll_full=torch.zeros(2, 4))
+    decode = lambda x: loaded.tokenizer.decode(x, skip_special_tokens=True).strip()  # noqa: E731
+    assert _texts(loaded.tokenizer, refs, 2) == [decode([7, 8]), decode([11])]
+    assert _texts(loaded.tokenizer, refs) == [decode([5, 6, 7, 8]), decode([9, 10, 11])]
+
+
+def test_kv_peak_counts_the_lookahead(loaded, prompts_file, tmp_path):
+    """A profile with lookahead holds the whole prompt for its first tokens: the peak is near the
+    full cache's, while what is left at the end is the budget's, as without lookahead; without
+    lookahead the peak is what the held budget keeps."""
+    import dataclasses
+
+    from kvtool.profiles import save_profile
+    from tiny_models import profile_with
+
+    records = load_jsonl(prompts_file)
+    results = {}
+    for lookahead in (0, 3):
+        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", eviction="tova", lookahead=lookahead)
+        path = tmp_path / f"look{lookahead}.yaml"
+        save_profile(profile, path)
+        config = EvalConfig(methods=("kvtool",), budgets=(profile.budget,), max_new_tokens=8)
+        (results[lookahead],) = evaluate(loaded, data=records, profile=path, config=config).results
+    plain, ahead = results[0], results[3]
+    assert plain.kv_peak_fraction == pytest.approx(plain.kv_fraction, rel=0.15)
+    # (Short prompts: the per-slot bookkeeping and 16-slot growth keep the end well above 0.3.)
+    assert ahead.kv_peak_fraction > 0.9 > 0.7 > ahead.kv_fraction
+    assert ahead.kv_peak_fraction > plain.kv_peak_fraction + 0.3
+    assert ahead.kv_fraction == pytest.approx(plain.kv_fraction, rel=0.1)
+    assert dataclasses.asdict(ahead)["kv_peak_fraction"] == ahead.kv_peak_fraction

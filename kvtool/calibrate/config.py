@@ -20,6 +20,11 @@ DEFAULT_CANDIDATES = (0, 8, 16, 25, 48, 96)
 # that and favoured a D that lost on 64-token generations (smollm2 at 0.2: D 25 -> 48, held-out
 # PPL 2.987 -> 2.809). Still a CPU calibration in minutes.
 REFERENCE_TOKENS = 64
+# New tokens each compressing layer sees over the whole prompt before it compresses (the profile's
+# `lookahead`). Off by default: during those tokens every layer holds the whole prompt, so the peak
+# KV memory is the full cache's, and a generation shorter than the lookahead never compresses at all
+# (README, "Lookahead": what it buys and what it costs, measured).
+DEFAULT_LOOKAHEAD = 0
 # Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
 DEFAULT_MERGE_MODES = ("position", "none")
 
@@ -57,6 +62,9 @@ class CalibrateConfig:
     # found more needles at 0.2 and fewer at 0.5, with higher PPL at both (README, "Scoring the
     # answer where the model writes it").
     answer_references: str = "forced"
+    # Written into the profile and applied to every recipe the search measures (not searched: every
+    # candidate would gain from a longer one, and it holds the whole prompt that many tokens longer).
+    lookahead: int = DEFAULT_LOOKAHEAD
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -82,6 +90,8 @@ class CalibrateConfig:
             raise KvtoolError(
                 f"answer references must be one of {', '.join(ANSWER_REFERENCES)}, got {self.answer_references!r}"
             )
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise KvtoolError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
         if self.reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
@@ -94,6 +104,7 @@ class CalibrateConfig:
             batch_size=self.batch_size,
             merge_modes=merge_modes,
             answer_references=self.answer_references,
+            lookahead=self.lookahead,
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

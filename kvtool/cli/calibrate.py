@@ -158,6 +158,15 @@ def calibrate_command(
             "the answer is seen.",
         ),
     ] = "forced",
+    lookahead: Annotated[
+        int,
+        typer.Option(
+            "--lookahead",
+            help="New tokens generated over the whole prompt before each layer compresses: their attention "
+            "joins the prompt's scores (what the answer reads). The cache holds the full prompt for those tokens, "
+            "then the budget, so the peak KV memory is the full cache's. 0 (default): compress right after the prompt.",
+        ),
+    ] = 0,  # kvtool.calibrate.config.DEFAULT_LOOKAHEAD
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()
@@ -186,6 +195,7 @@ def calibrate_command(
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
         answer_references=answer_references,
+        lookahead=lookahead,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )

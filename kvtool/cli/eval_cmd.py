@@ -68,6 +68,14 @@ def eval_command(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per prompt (ROUGE-L; PPL reference length).")] = 64,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per left-padded batch.")] = 4,
     max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", help="Longer prompts are cut in the middle (which can drop a retrieval needle).")] = 2048,
+    score_from: Annotated[
+        int,
+        typer.Option(
+            "--score-from",
+            help="Leave the first K tokens of every reference and output out of PPL, top-1 and ROUGE-L (accuracy reads "
+            "the whole output): judges a profile with lookahead K only where it runs at the budget.",
+        ),
+    ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
 ) -> None:
@@ -84,7 +92,7 @@ def eval_command(
     names = parse_list(methods, "methods")
     for name in names:
         get_method(name)
-    config = EvalConfig(tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens).checked()
+    config = EvalConfig(tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens, score_from).checked()
     records = load_jsonl(data) if data is not None else None
     if profile is not None:
         load_profile(profile)  # a bad file fails now, not after the full-cache pass
@@ -131,6 +139,7 @@ def render(console: Console, report: EvalReport) -> None:
         table.add_column("accuracy", justify="right")
     table.add_column("top-1", justify="right")
     table.add_column("KV kept", justify="right")
+    table.add_column("KV peak", justify="right")
     budgets = list(dict.fromkeys(r.budget for r in report.results))
     for budget in budgets:
         rows = [r for r in report.results if r.budget == budget]
@@ -148,7 +157,8 @@ def render(console: Console, report: EvalReport) -> None:
                 accuracy = f"{r.accuracy:.3f}" if r.accuracy is not None else "-"
                 cells.append(f"[bold]{accuracy}[/]" if r.accuracy == best_accuracy and several else accuracy)
             cells.append("-" if r.agreement is None else f"{r.agreement:.1%}")
-            table.add_row(*cells, f"{r.kv_fraction:.1%}", end_section=i == len(rows) - 1)
+            peak = "-" if math.isnan(r.kv_peak_fraction) else f"{r.kv_peak_fraction:.1%}"
+            table.add_row(*cells, f"{r.kv_fraction:.1%}", peak, end_section=i == len(rows) - 1)
     console.print(table)
     if len(report.kind_rows) > 1:
         console.print(kind_table(report))
@@ -160,7 +170,9 @@ def render(console: Console, report: EvalReport) -> None:
         f"full cache: PPL {report.full_ppl:.3f} on {report.reference_tokens} reference tokens "
         f"({report.references}){accuracy[0]}; ROUGE-L is against the full cache's greedy output (1.0 = identical; "
         f"± one standard error over prompts){accuracy[1]}; top-1 is the share of reference tokens the compressed "
-        f"cache itself ranks first when fed the reference (greedy output leaves the full cache's at the first miss).",
+        f"cache itself ranks first when fed the reference (greedy output leaves the full cache's at the first miss); "
+        f"KV kept / peak: physical KV bytes at the end / the most after any step, over the full cache's at the end."
+        + (f" PPL, top-1 and ROUGE-L leave out the first {report.score_from} tokens." if report.score_from else ""),
         soft_wrap=True,
     )
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)

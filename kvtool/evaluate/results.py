@@ -55,6 +55,9 @@ class MethodResult:
     # Per prompt, in data order, so two methods can be compared prompt by prompt (paired).
     rouge_l_per_prompt: tuple[float, ...] = ()
     per_prompt: PromptScores = field(default_factory=PromptScores)
+    # The most physical KV bytes held after any step of greedy generation (the prompt's included),
+    # over the full cache's bytes at the end: what memory must be there, not only what is left.
+    kv_peak_fraction: float = math.nan
 
     @property
     def rouge_l_sem(self) -> float:
@@ -96,6 +99,7 @@ class EvalReport:
     kinds: tuple[str | None, ...] = ()  # per prompt, in data order (None: the row names no kind)
     full_outputs: tuple[FullOutput, ...] = ()  # per prompt, in data order
     full: PromptScores = field(default_factory=PromptScores)  # the full cache's own NLL and accuracy
+    score_from: int = 0  # reference / output tokens left out of PPL, top-1 and ROUGE-L
 
     @property
     def kind_rows(self) -> dict[str, list[int]]:
@@ -117,7 +121,8 @@ class EvalReport:
             "results": [
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
-                    "kv_fraction": r.kv_fraction, "rouge_l_sem": _finite(r.rouge_l_sem),
+                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction),
+                    "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,
                     "accuracy_per_prompt": list(r.per_prompt.accuracy),
@@ -140,6 +145,7 @@ class EvalReport:
             "data": self.data,
             "samples": self.samples,
             "max_new_tokens": self.max_new_tokens,
+            "score_from": self.score_from,
             "references": self.references,
             "reference_tokens": self.reference_tokens,
             "profile_source": self.profile_source,

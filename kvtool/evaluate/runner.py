@@ -5,7 +5,10 @@ target and, unless the data has answers, the PPL reference; its NLL of the refer
 PPL. Then every (method, budget) runs the prompt through its own compressed cache and, from copies
 of that state, (1) teacher-forces the references token by token with the generation-time rule
 active, scoring every reference token, and (2) decodes greedily for ROUGE-L; the physical KV bytes
-at the end of (2) against a full cache's give the kept fraction.
+at the end of (2) against a full cache's give the kept fraction, their largest value after any step
+the peak. `score_from = K` leaves the first K tokens of every reference and output out of PPL,
+top-1 and ROUGE-L (accuracy reads the whole output): a method that keeps the whole prompt for its
+first K tokens (lookahead) is then judged only where it runs at the budget.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class EvalConfig:
     max_new_tokens: int = 64
     batch_size: int = 4
     max_prompt_tokens: int = 2048  # the packaged retrieval prompts reach ~1.9k tokens; a cut could drop a needle
+    score_from: int = 0  # reference / output tokens left out of PPL, top-1 and ROUGE-L, from the start
 
     def checked(self) -> "EvalConfig":
         if not self.methods:
@@ -73,8 +77,12 @@ class EvalConfig:
             raise KvtoolError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.max_prompt_tokens < 16:
             raise KvtoolError(f"--max-prompt-tokens must be at least 16, got {self.max_prompt_tokens}")
+        if not 0 <= self.score_from < self.max_new_tokens:
+            raise KvtoolError(f"--score-from must be at least 0 and below --max-new-tokens ({self.max_new_tokens}), got {self.score_from}")
         methods = tuple(dict.fromkeys(self.methods))
-        return EvalConfig(methods, tuple(dict.fromkeys(budgets)), self.max_new_tokens, self.batch_size, self.max_prompt_tokens)
+        return EvalConfig(
+            methods, tuple(dict.fromkeys(budgets)), self.max_new_tokens, self.batch_size, self.max_prompt_tokens, self.score_from
+        )
 
 
 @dataclass(frozen=True)
@@ -123,8 +131,17 @@ def _token_ids(refs: References) -> list[tuple[int, ...]]:
     return [tuple(refs.tokens[b][refs.scored[b]].tolist()) for b in range(refs.tokens.shape[0])]
 
 
-def _texts(tokenizer: Any, refs: References) -> list[str]:
-    return [tokenizer.decode(list(ids), skip_special_tokens=True).strip() for ids in _token_ids(refs)]
+def _texts(tokenizer: Any, refs: References, start: int = 0) -> list[str]:
+    return [tokenizer.decode(list(ids[start:]), skip_special_tokens=True).strip() for ids in _token_ids(refs)]
+
+
+def _scored_from(scored: torch.Tensor, start: int) -> torch.Tensor:
+    """`scored` without its first `start` steps."""
+    if start == 0:
+        return scored
+    scored = scored.clone()
+    scored[:, :start] = False
+    return scored
 
 
 class _Evaluation:
@@ -138,10 +155,10 @@ class _Evaluation:
         self.eos = eos_token_ids(self.model, self.tokenizer)
         self.pad = self.tokenizer.pad_token_id
 
-    def _greedy(self, cache: Any, first_logits: Any, batch: Batch) -> References:
+    def _greedy(self, cache: Any, first_logits: Any, batch: Batch, on_step: Callable[[], None] | None = None) -> References:
         return reference_continuations(
             self.model, cache, first_logits, batch, length=self.config.max_new_tokens,
-            eos_ids=self.eos, pad_id=self.pad, answers=[None] * len(batch.rows),
+            eos_ids=self.eos, pad_id=self.pad, answers=[None] * len(batch.rows), on_step=on_step,
         )
 
     def _accuracy(self, rows: tuple[int, ...], texts: list[str], into: _PerPrompt) -> None:
@@ -167,10 +184,11 @@ class _Evaluation:
                 )
             else:
                 refs = greedy = self._greedy(cache, first, batch)
-            total.add(refs.nll_full, refs.scored)
-            per_prompt.add_nll(batch.rows, refs.nll_full, refs.scored)
-            texts = _texts(self.tokenizer, greedy)
-            self._accuracy(batch.rows, texts, per_prompt)
+            scored = _scored_from(refs.scored, self.config.score_from)
+            total.add(refs.nll_full, scored)
+            per_prompt.add_nll(batch.rows, refs.nll_full, scored)
+            self._accuracy(batch.rows, _texts(self.tokenizer, greedy), per_prompt)
+            texts = _texts(self.tokenizer, greedy, self.config.score_from)
             targets.append(_BatchTargets(batch, refs, texts, _token_ids(greedy)))
         self.progress(STAGE_FULL, len(batches), len(batches))
         return targets, total, per_prompt
@@ -181,7 +199,7 @@ class _Evaluation:
         return max([self.config.max_new_tokens, *lengths])
 
     def method_pass(self, profile: Profile, method: str, budget: float, targets: list[_BatchTargets], tick: Callable[[], None]) -> MethodResult:
-        nll, kept, full = NllTotal(), 0, 0
+        nll, kept, peak, full = NllTotal(), 0, 0, 0
         per_prompt = _PerPrompt(len(self.records))
         with attach(self.model, profile) as handle:
             for target in targets:
@@ -189,21 +207,25 @@ class _Evaluation:
                 first = prompt_forward(self.model, target.batch, cache)
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)
-                nll.add(forced.nll, target.references.scored)
-                per_prompt.add_nll(target.batch.rows, forced.nll, target.references.scored)
-                per_prompt.add_top1(target.batch.rows, forced.top1)
-                greedy = self._greedy(greedy_cache, first, target.batch)
-                kept += kv_bytes(greedy_cache)
+                scored = _scored_from(target.references.scored, self.config.score_from)
+                nll.add(forced.nll, scored)
+                per_prompt.add_nll(target.batch.rows, forced.nll, scored)
+                per_prompt.add_top1(target.batch.rows, forced.top1 & scored)
+                largest = [kv_bytes(greedy_cache)]
+                greedy = self._greedy(greedy_cache, first, target.batch, on_step=lambda: largest.append(kv_bytes(greedy_cache)))
+                kept += largest[-1]
+                peak += max(largest)
                 full += kv_bytes_full(greedy_cache)
-                texts = _texts(self.tokenizer, greedy)
+                texts = _texts(self.tokenizer, greedy, self.config.score_from)
                 for row, text, target_text in zip(target.batch.rows, texts, target.full_texts):
                     per_prompt.rouge_l[row] = rouge_l_f1(text, target_text)
-                self._accuracy(target.batch.rows, texts, per_prompt)
+                self._accuracy(target.batch.rows, _texts(self.tokenizer, greedy), per_prompt)
                 tick()
         rouge = per_prompt.rouge_l
         return MethodResult(
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
+            kv_peak_fraction=peak / full if full else math.nan,
             per_prompt=per_prompt.scores(),
         )
 
@@ -268,6 +290,7 @@ def evaluate(
     kind = "answers" if all(has_answers) else ("full-cache greedy" if not any(has_answers) else "mixed")
     return EvalReport(
         model=loaded.name, data=data_name, samples=len(records), max_new_tokens=config.max_new_tokens,
+        score_from=config.score_from,
         references=kind, full_ppl=full_nll.ppl(), reference_tokens=full_nll.count, profile_source=source,
         results=tuple(results), seconds=time.perf_counter() - started,
         kinds=tuple(r.kind for r in records), full_outputs=_full_outputs(targets, len(records)),

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -37,8 +38,14 @@ def _record_to_dict(cls: type, record: Any) -> dict[str, Any]:
         value = getattr(record, f.name)
         if value is None and f.rule.omit_none:
             continue
+        if f.rule.omit_default and value == _default(cls, f.name):
+            continue
         document[f.name] = _value_to_document(f, value)
     return document
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _value_to_document(f: DocField, value: Any) -> Any:

@@ -30,6 +30,7 @@ class Rule:
     required: bool = False  # required in a file although the dataclass has a default
     nullable: bool = False  # null accepted (and read as the default) although the type is not optional
     omit_none: bool = False  # not written at all when None
+    omit_default: bool = False  # not written when it holds the dataclass default (files from before it stay byte-identical)
     flow: bool = False  # lists written on one line
     digits: int | None = None  # numbers in a list are rounded to this many digits when written
     not_below: str | None = None  # numbers: must not be smaller than this earlier field of the record

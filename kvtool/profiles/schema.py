@@ -89,6 +89,11 @@ class MethodSettings:
     # `recent_window`, whichever keeps more).
     recent_share: float = field(default=0.0, metadata=rule(low=0, high=1))
     ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
+    # Lookahead: the first `lookahead` new tokens are generated with the whole prompt in the cache,
+    # and their attention joins the prompt's scores (observation window and column sums) before
+    # the layer compresses to its share; 0 compresses right after the prompt. The first tokens of
+    # an answer read what the answer needs, which the question alone does not show.
+    lookahead: int = field(default=0, metadata=rule(low=0, omit_default=True))
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
                 heads=method.heads,
                 recent_share=method.recent_share,
                 min_kept=min_kept,
+                lookahead=method.lookahead,
             )
         )
     return plans

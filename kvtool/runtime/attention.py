@@ -89,7 +89,7 @@ def _attend(
     layer.discard_padded_token(attention_mask)
     mask = layer.slot_mask()
     if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
-        output, received = decode_attention_with_scores(query, key, value, mask, scaling, per_head=layer.per_head)
+        output, received = decode_attention_with_scores(query, key, value, mask, scaling, per_head=layer.decode_per_head)
         layer.add_scores(received)
         out = (output, None)
     else:

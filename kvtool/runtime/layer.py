@@ -69,10 +69,16 @@ class LayerPlan:
     # chat prompt leaves SmolLM2's tightest layer (ratio 0.058) 2 entries and the model degenerates,
     # while a floor costs nothing once ratio * T passes it. 0: the ratio alone.
     min_kept: int = 0
+    # New tokens generated over the whole prompt before the layer compresses (their attention joins
+    # the prompt's scores: column sums, per-head sums and the observation window); 0: compress right
+    # after the prompt.
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:
             raise KvtoolError(f"min-kept must be an integer >= 0, got {self.min_kept!r}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise KvtoolError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
         if self.heads not in HEAD_MODES:
             raise KvtoolError(f"unknown head mode {self.heads!r} (known: {', '.join(HEAD_MODES)})")
         self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
@@ -118,6 +124,9 @@ class CompressingLayer(DynamicLayer):
         self.prompt_score: torch.Tensor | None = None  # what selection ranked by ([B, n] / [B, Hkv, n]), when recorded
         self.per_head = False  # each KV head holds its own entries (set when the prompt is compressed)
         self._new_slot: torch.Tensor | None = None
+        # While the plan's lookahead tokens are generated: the prompt's scores grown by theirs, by
+        # logical column ([B, n + t], heads and window [B, Hkv, n + t]); None otherwise.
+        self._pending: PromptScores | None = None
 
     # ----- transformers' cache-layer interface -------------------------------------------------
 
@@ -170,10 +179,12 @@ class CompressingLayer(DynamicLayer):
             self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
 
     def _map_batch(self, fn, host_index: np.ndarray) -> None:
-        for name in ("keys", "values", "valid", "order", "frozen", "score", "image", "attention", "_prompt_rank"):
+        for name in ("keys", "values", "valid", "order", "frozen", "score", "image", "attention", "_prompt_rank", "prompt_image"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
+        if self._pending is not None:
+            self._pending = PromptScores(*(None if t is None else fn(t) for t in (self._pending.importance, self._pending.heads, self._pending.window)))
         self.tokens, self.kept = self.tokens[host_index], self.kept[host_index]
 
     # ----- memory accounting -------------------------------------------------------------------
@@ -262,12 +273,23 @@ class CompressingLayer(DynamicLayer):
         """
         if isinstance(scores, torch.Tensor):
             scores = PromptScores(importance=scores)
-        keys, values = self.keys, self.values
-        bsz, _, n, _ = keys.shape
+        bsz, _, n, _ = self.keys.shape
         if mask is None:
-            token_valid = torch.ones(bsz, n, dtype=torch.bool, device=keys.device)
+            token_valid = torch.ones(bsz, n, dtype=torch.bool, device=self.keys.device)
         else:
             token_valid = mask[:, 0].diagonal(dim1=-2, dim2=-1).clone()
+        if self.compresses and self.plan.lookahead > 0 and scores is not None:
+            # Hold the whole prompt (nothing dropped, nothing evicted) until the lookahead tokens
+            # have added their attention; `_end_lookahead` then compresses prompt and tokens at once.
+            self._compress(token_valid, None, keep_all=True)
+            self._pending = scores
+            return
+        self._compress(token_valid, scores)
+
+    def _compress(self, token_valid: torch.Tensor, scores: PromptScores | None, keep_all: bool = False) -> None:
+        """Keep each sequence's share of the columns `keys`/`values` hold in logical order (all of
+        them with `keep_all`), ranked by `scores`."""
+        keys, values = self.keys, self.values
         image_mask = self._image_mask(token_valid)
         self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
         plan = self.plan
@@ -277,10 +299,11 @@ class CompressingLayer(DynamicLayer):
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid
             self.prompt_scores, self.prompt_score = scores, rank_by
-        self.per_head = plan.heads == "per-head" and self.compresses
+        self.per_head = plan.heads == "per-head" and self.compresses and not keep_all
         if rank_by is None:
             rank_by = importance  # rules that rank by position ignore it
-        if plan.ratio >= 1.0:
+        if plan.ratio >= 1.0 or keep_all:
+            keep = self.tokens
             index = self.order
             kept_valid = token_valid
             frozen_rank = torch.cumsum(token_valid.long(), dim=1) - 1
@@ -295,7 +318,7 @@ class CompressingLayer(DynamicLayer):
         if image_mask is not None:
             image = image_mask[:, None, :].expand(-1, index.shape[1], -1) if self.per_head else image_mask
             self.image = image.gather(-1, index) & entry_valid
-        if plan.evict.needs_scores and self.compresses:
+        if plan.evict.needs_scores and self.compresses and not keep_all:
             accumulated = plan.evict.seed(scores, token_valid, plan, self.per_head)
             self.score = accumulated.gather(-1, index).masked_fill(~entry_valid, 0.0)
         self._prompt_columns = self.seen
@@ -439,12 +462,26 @@ class CompressingLayer(DynamicLayer):
 
     @property
     def needs_decode_scores(self) -> bool:
-        return self.score is not None or (self.compressed and self.compresses and self.plan.evict.needs_attention)
+        return (
+            self._pending is not None
+            or self.score is not None
+            or (self.compressed and self.compresses and self.plan.evict.needs_attention)
+        )
+
+    @property
+    def decode_per_head(self) -> bool:
+        """Whether the new token's attention is wanted per KV head ([B, Hkv, S]): per-head layers,
+        and every layer during its lookahead (the per-head and window sums grow by it)."""
+        return self.per_head or self._pending is not None
 
     def add_scores(self, received: torch.Tensor) -> None:
         """Take the attention the new token gave each slot ([B, S] averaged over query heads; [B, Hkv, S]
         averaged over each KV head's query heads in per-head layers): accumulated into `score` for
-        rules that need the sum, kept as `attention` for rules that rank by the latest token alone."""
+        rules that need the sum, kept as `attention` for rules that rank by the latest token alone.
+        During the lookahead ([B, Hkv, S]) it is added to the prompt's scores instead."""
+        if self._pending is not None:
+            self._add_lookahead(received)
+            return
         if self.score is not None:
             self.score += received.to(self.score.dtype).masked_fill(~self.entry_valid, 0.0)
         if self.plan.evict.needs_attention:
@@ -452,7 +489,12 @@ class CompressingLayer(DynamicLayer):
 
     def evict_over_budget(self) -> None:
         """Where kept > ceil(R * T) (and the floor), drop the one entry the plan's eviction rule names (never for
-        prompt-only rules, under which the cache grows by one entry per new token)."""
+        prompt-only rules, under which the cache grows by one entry per new token). The last
+        lookahead token compresses the layer instead."""
+        if self._pending is not None:
+            if self.seen - self._prompt_columns >= self.plan.lookahead:
+                self._end_lookahead()
+            return
         if not self.plan.evict.holds_budget:
             return
         over = self.kept > self.plan.keep(self.tokens)
@@ -466,6 +508,46 @@ class CompressingLayer(DynamicLayer):
             # One slot for every head (shared layers; queue rules in per-head layers): just free it.
             self.valid[rows, victim[rows]] = False
         self.kept = self.kept - over
+
+    def _add_lookahead(self, received: torch.Tensor) -> None:
+        """The new token's attention ([B, Hkv, S], each KV head's query heads averaged) joins the
+        prompt's scores at the logical columns of the slots; the scores grow by the token's own column."""
+        pending = self._pending
+        columns = self.seen
+        grow = lambda t: None if t is None else torch.cat([t, t.new_zeros(*t.shape[:-1], columns - t.shape[-1])], dim=-1)  # noqa: E731
+        importance, heads, window = (grow(t) for t in (pending.importance, pending.heads, pending.window))
+        received = received.to(importance.dtype).masked_fill(~self.valid[:, None, :], 0.0)
+        index = self.order[:, None, :].expand_as(received)
+        per_column = torch.zeros(*received.shape[:-1], columns, dtype=received.dtype, device=received.device)
+        per_column.scatter_add_(-1, index, received)
+        importance = importance + per_column.mean(dim=1)
+        heads = None if heads is None else heads + per_column
+        window = None if window is None else window + per_column
+        self._pending = PromptScores(importance=importance, heads=heads, window=window)
+
+    def _end_lookahead(self) -> None:
+        """Compress the prompt and the lookahead tokens as one prompt: their keys and values in
+        logical order, ranked by the prompt's scores grown by the lookahead tokens' attention."""
+        bsz, heads, _, dim = self.keys.shape
+        columns = self.seen
+        index = torch.where(self.valid, self.order, columns)  # free slots go to a column cut off below
+        token_valid = torch.zeros(bsz, columns + 1, dtype=torch.bool, device=self.keys.device)
+        token_valid.scatter_(1, index, self.valid)
+        token_valid = token_valid[:, :columns]
+        keys = self.keys.new_zeros(bsz, heads, columns + 1, dim)
+        values = self.values.new_zeros(bsz, heads, columns + 1, dim)
+        spread = index[:, None, :, None].expand(bsz, heads, -1, dim)
+        keys.scatter_(2, spread, self.keys)
+        values.scatter_(2, spread, self.values)
+        scores = self._pending
+        self._pending = None
+        if self.prompt_image is not None:
+            extra = columns - self.prompt_image.shape[1]
+            self.prompt_image = torch.cat([self.prompt_image, self.prompt_image.new_zeros(bsz, extra)], dim=1)
+        self.keys, self.values = keys[:, :, :columns], values[:, :, :columns]
+        self.order = torch.arange(columns, device=self.keys.device).expand(bsz, columns).contiguous()
+        self.attention = None
+        self._compress(token_valid, scores)
 
     def _drop_per_head(self, rows: torch.Tensor, victim: torch.Tensor) -> None:
         """In each of `rows`, every KV head drops its own victim slot (`victim` [B, Hkv]): the row's last

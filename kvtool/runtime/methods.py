@@ -139,12 +139,13 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
 
 def method_settings(name: str, base: MethodSettings) -> MethodSettings:
     """The rules of the named (non-recipe) method, with `base`'s sinks, recent window, D and, where
-    the method leaves it to calibration, merge mode."""
+    the method leaves it to calibration, merge mode. Baselines compress right after the prompt, as
+    their papers do (no lookahead)."""
     method = get_method(name)
     if method.recipe:
         raise KvtoolError(f"method {name!r} is the calibrated recipe, not a fixed set of rules")
     return dataclasses.replace(
         base, selection=method.selection, merge=method.merge or base.merge, eviction=method.eviction,
         scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads, recent_share=0.0,
-        ratios="scorer" if method.per_layer else "uniform",
+        ratios="scorer" if method.per_layer else "uniform", lookahead=0,
     )
