@@ -42,6 +42,8 @@ class Row:
     kv_fraction: float
     kinds: dict[str, dict]
     nll: list[float | None] | None = None  # per prompt: mean NLL per scored reference token
+    kv_peak: float | None = None  # the most KV held after any step (files from before it: unknown)
+    lookahead: int = 0  # tokens generated over the whole prompt before compressing
 
 
 def per_token_nll(result: dict) -> list[float | None] | None:
@@ -95,6 +97,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                 rows.append(Row(
                     name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
+                    r.get("kv_peak_fraction"), r.get("lookahead") or 0,
                 ))
     for path in peers:
         doc = read_json(path)
@@ -121,18 +124,26 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def compresses(row: Row) -> str:
+    if row.prompt_only:
+        return "prompt only"
+    if row.lookahead:
+        return f"prompt + generation (whole prompt for {row.lookahead} tokens, then budget held)"
+    return "prompt + generation (budget held)"
+
+
 def main_table(rows: list[Row], full: dict) -> str:
     lines = [
-        f"| method | compresses | PPL | ROUGE-L | retrieval accuracy | KV kept |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| full cache | - | {fmt(full['ppl'])} | 1 | {fmt(full['accuracy'])} | 100% |",
+        f"| method | compresses | PPL | ROUGE-L | retrieval accuracy | KV kept | KV peak |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| full cache | - | {fmt(full['ppl'])} | 1 | {fmt(full['accuracy'])} | 100% | 100% |",
     ]
     for r in rows:
         rouge = [v for v in r.rouge if not math.isnan(v)]
         lines.append(
-            f"| {r.name} | {'prompt only' if r.prompt_only else 'prompt + generation (budget held)'} | "
+            f"| {r.name} | {compresses(r)} | "
             f"{fmt(r.ppl)} | {statistics.fmean(rouge):.3f} ± {sem(rouge):.3f} | {fmt(mean_accuracy(r))} | "
-            f"{r.kv_fraction:.1%} |"
+            f"{r.kv_fraction:.1%} | {fmt(r.kv_peak, '.1%')} |"
         )
     return "\n".join(lines)
 

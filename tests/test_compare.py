@@ -57,7 +57,7 @@ def test_tables_pair_every_row_with_the_chosen_method(compare, tmp_path, capsys)
     compare.main([str(evals), "--peer", str(peer), "--budget", "0.2", "--against", "kvtool"])
     out = capsys.readouterr().out
     assert "| kvpress tova | prompt only | 1.900 |" in out
-    assert "| kvtool | prompt + generation (budget held) | 1.700 | 0.600 ± 0.129 | 0.750 | 20.0% |" in out
+    assert "| kvtool | prompt + generation (budget held) | 1.700 | 0.600 ± 0.129 | 0.750 | 20.0% | - |" in out
     assert "kvpress none" not in out and "1.600" not in out.split("| kvtool |")[0]  # other budget left out
     # kvtool minus h2o: diffs 0.1, 0, 0.3, -0.1 -> mean 0.075; ahead on 2, behind on 1.
     assert "| h2o | +0.075 ± 0.085 | 2 / 1 |" in out
@@ -114,3 +114,14 @@ def test_labelled_files_sit_side_by_side_with_paired_nll(compare, tmp_path, caps
     assert "| h2o [ten] |" in out and out.rstrip().endswith("| - |")
     assert compare.labelled("docs/x.json") == (Path("docs/x.json"), None)
     assert compare.labelled("C:/x.json") == (Path("C:/x.json"), None)
+
+
+def test_lookahead_rows_say_so_and_show_their_peak(compare, tmp_path, capsys):
+    doc = kvtool_doc()
+    doc["results"][0].update(kv_peak_fraction=0.97, lookahead=8)
+    doc["results"][1].update(kv_peak_fraction=0.21, lookahead=0)
+    compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
+    out = capsys.readouterr().out
+    assert "| kvtool | prompt + generation (whole prompt for 8 tokens, then budget held) | 1.700 |" in out
+    assert "| 0.750 | 20.0% | 97.0% |" in out
+    assert "| h2o | prompt + generation (budget held) | 2.000 |" in out and "| 20.0% | 21.0% |" in out

@@ -58,6 +58,7 @@ class MethodResult:
     # The most physical KV bytes held after any step of greedy generation (the prompt's included),
     # over the full cache's bytes at the end: what memory must be there, not only what is left.
     kv_peak_fraction: float = math.nan
+    lookahead: int = 0  # new tokens the method generated over the whole prompt before compressing
 
     @property
     def rouge_l_sem(self) -> float:
@@ -121,7 +122,7 @@ class EvalReport:
             "results": [
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
-                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction),
+                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "lookahead": r.lookahead,
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,
