@@ -220,6 +220,12 @@ def test_method_profile_settings_and_errors(llama):
     assert method_profile("kvtool", llama, chosen.budget, chosen) == chosen
     held = method_profile("kvtool-prompt-only", llama, chosen.budget, chosen)
     assert held.method == dataclasses.replace(chosen.method, eviction="prompt-only") and held.layers == chosen.layers
+    ahead = method_profile("kvtool-lookahead", llama, chosen.budget, chosen)
+    assert ahead.method == dataclasses.replace(chosen.method, lookahead=8) and ahead.layers == chosen.layers
+    # Baselines compress right after the prompt whatever the calibrated profile holds.
+    looking = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, lookahead=5))
+    assert method_profile("kvtool", llama, chosen.budget, looking).method.lookahead == 5
+    assert all(method_profile(m, llama, chosen.budget, looking).method.lookahead == 0 for m in ("tova", "h2o", "prefixkv"))
     # prefixkv stays the papers' recipe whatever calibration chose: shared attention-sum, fixed-point.
     papers = method_profile("prefixkv", llama, chosen.budget, chosen).method
     assert (papers.scorer, papers.heads, papers.eviction, papers.recent_share) == ("attention-sum", "shared", "fixed-point", 0.0)
