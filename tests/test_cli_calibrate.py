@@ -204,6 +204,8 @@ def test_lookahead_default_is_the_library_default_and_reaches_the_profile(
                        "--data", str(data_file), "--papers", "--lookahead", "3", "--out", str(out))
     assert code == 0, err
     assert read_profile(out).method.lookahead == 3
+    code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
+    assert code == 0 and "lookahead 3 tokens" in " ".join(shown.split())
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--lookahead", "-1",
                        "--out", str(tmp_path / "q.yaml"))
     assert code == 2 and "lookahead" in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()

@@ -98,7 +98,8 @@ def _method_rows(profile: Profile) -> list[tuple[str, str]]:
         (
             "Recipe",
             f"generation {s.eviction} · selection {s.selection} · scorer {scorer} · ratios {s.ratios}"
-            f" · {s.heads} heads · recent share {s.recent_share:.0%}",
+            f" · {s.heads} heads · recent share {s.recent_share:.0%}"
+            + (f" · lookahead {s.lookahead} tokens (the whole prompt is kept until then)" if s.lookahead else ""),
         ),
         (
             "Method",
