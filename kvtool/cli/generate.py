@@ -131,6 +131,8 @@ def generate_command(
         cache_factory, cache_note = handle.new_cache, chosen[1]
         if min_kept:
             cache_note += f"; at least {min_kept} entries per layer"
+        if chosen[0].method.lookahead:
+            cache_note += f"; lookahead {chosen[0].method.lookahead} tokens (the whole prompt is held until then)"
     try:
         result = generate(
             loaded.model,
