@@ -43,7 +43,8 @@ class Row:
     kinds: dict[str, dict]
     nll: list[float | None] | None = None  # per prompt: mean NLL per scored reference token
     kv_peak: float | None = None  # the most KV held after any step (files from before it: unknown)
-    lookahead: int = 0  # tokens generated over the whole prompt before compressing
+    lookahead: int = 0  # tokens generated over the prompt before compressing
+    lookahead_hold: float = 0.0  # held meanwhile: 0 the whole prompt, c c times each layer's share
 
 
 def per_token_nll(result: dict) -> list[float | None] | None:
@@ -97,7 +98,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                 rows.append(Row(
                     name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
-                    r.get("kv_peak_fraction"), r.get("lookahead") or 0,
+                    r.get("kv_peak_fraction"), r.get("lookahead") or 0, r.get("lookahead_hold") or 0.0,
                 ))
     for path in peers:
         doc = read_json(path)
@@ -128,7 +129,8 @@ def compresses(row: Row) -> str:
     if row.prompt_only:
         return "prompt only"
     if row.lookahead:
-        return f"prompt + generation (whole prompt for {row.lookahead} tokens, then budget held)"
+        held = f"{row.lookahead_hold:g}x the share" if row.lookahead_hold else "whole prompt"
+        return f"prompt + generation ({held} for {row.lookahead} tokens, then budget held)"
     return "prompt + generation (budget held)"
 
 

@@ -201,11 +201,14 @@ def test_lookahead_default_is_the_library_default_and_reaches_the_profile(
     assert inspect.signature(calibrate_command).parameters["lookahead"].default == DEFAULT_LOOKAHEAD
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--lookahead", "3", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--lookahead", "3", "--lookahead-hold", "2", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.lookahead == 3
+    assert (read_profile(out).method.lookahead, read_profile(out).method.lookahead_hold) == (3, 2.0)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "lookahead 3 tokens" in " ".join(shown.split())
+    assert code == 0 and "lookahead 3 tokens (2x each layer's share held until then)" in " ".join(shown.split())
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--lookahead-hold", "0.5",
+                       "--out", str(tmp_path / "q.yaml"))
+    assert code == 2 and "lookahead hold" in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--lookahead", "-1",
                        "--out", str(tmp_path / "q.yaml"))
     assert code == 2 and "lookahead" in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()

@@ -125,3 +125,6 @@ def test_lookahead_rows_say_so_and_show_their_peak(compare, tmp_path, capsys):
     assert "| kvtool | prompt + generation (whole prompt for 8 tokens, then budget held) | 1.700 |" in out
     assert "| 0.750 | 20.0% | 97.0% |" in out
     assert "| h2o | prompt + generation (budget held) | 2.000 |" in out and "| 20.0% | 21.0% |" in out
+    doc["results"][0].update(lookahead_hold=2.0)
+    compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
+    assert "| kvtool | prompt + generation (2x the share for 8 tokens, then budget held) |" in capsys.readouterr().out

@@ -11,6 +11,7 @@ observation windows, so the two protect the same recent tokens."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
 from kvtool.runtime import KvtoolCache, attach
 from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.eviction import evict_rule
 from test_runtime_rules import RATIOS, recipe_profile, rules_plans
 from tiny_models import GREEDY, left_pad, prompts, tiny_llama
 
@@ -126,3 +128,89 @@ def test_bad_lookahead_is_refused(llama, bad):
     with pytest.raises(KvtoolError, match="lookahead"):
         dataclasses.replace(plan, lookahead=bad)
     assert isinstance(plan, LayerPlan)
+
+
+# ----- a bounded lookahead: hold a multiple of the share, not the whole prompt ------------------
+
+HOLD = 2.0
+SHARED_CASES = {k: v for k, v in CASES.items() if v["heads"] == "shared"}
+
+
+def held_count(ratio: float, n: int) -> int:
+    return min(n, math.ceil(HOLD * math.ceil(ratio * n - 1e-9) - 1e-9))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hold_that_covers_the_prompt_is_the_whole_prompt_lookahead(llama, case):
+    profile = recipe_profile(llama)
+    (seq,) = prompts([40], seed=6)
+    more = torch.randint(3, 90, (K + 10,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad(), attach(llama, profile):
+        whole = KvtoolCache(llama.config, plans(profile, K, WINDOW, **CASES[case]))
+        a = feed(llama, whole, seq.tolist(), more)
+        covered = [None if p is None else dataclasses.replace(p, lookahead_hold=1 / min(RATIOS) + 0.5)
+                   for p in plans(profile, K, WINDOW, **CASES[case])]
+        held = KvtoolCache(llama.config, covered)
+        b = feed(llama, held, seq.tolist(), more)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert kept_columns(whole) == kept_columns(held)
+
+
+@pytest.mark.parametrize("case", list(SHARED_CASES))
+def test_the_hold_is_the_prompt_compressed_to_that_multiple(llama, case):
+    """During the lookahead a layer holding HOLD times its share is a prompt-only cache whose
+    ratio keeps exactly that many entries (same scorer, sinks, recent window): the same logits;
+    afterwards it holds ceil(R * T) entries, all from the held ones and the new tokens."""
+    profile = recipe_profile(llama)
+    (seq,) = prompts([40], seed=6)
+    n = len(seq)
+    more = torch.randint(3, 90, (K + 10,), generator=torch.Generator().manual_seed(3)).tolist()
+    held_plans = [None if p is None else dataclasses.replace(p, lookahead_hold=HOLD) for p in plans(profile, K, WINDOW, **CASES[case])]
+    reference = [
+        None if p is None else dataclasses.replace(p, ratio=held_count(p.ratio, n) / n, lookahead=0, evict=evict_rule("prompt-only"))
+        for p in held_plans
+    ]
+    with torch.no_grad(), attach(llama, profile):
+        held = KvtoolCache(llama.config, held_plans)
+        got = feed(llama, held, seq.tolist(), more[:K - 1])
+        pool = kept_columns(held)
+        plain = KvtoolCache(llama.config, reference)
+        want = feed(llama, plain, seq.tolist(), more[:K - 1])
+        assert all((a - b).abs().max().item() < 1e-9 for a, b in zip(got, want))
+        assert pool == kept_columns(plain)
+        for index, layer in held.compressing_layers().items():
+            assert layer.kept.tolist() == [held_count(RATIOS[index], n) + K - 1]
+        feed_more(llama, held, more[K - 1:])
+    for index, layer in held.compressing_layers().items():
+        tokens = n + len(more)
+        assert layer.tokens.tolist() == [tokens]
+        assert layer.kept.tolist() == [math.ceil(RATIOS[index] * tokens - 1e-9)] == layer.valid.sum(1).tolist()
+        assert set(kept_columns(held)[index][0]) <= set(pool[index][0]) | set(range(n, tokens))
+
+
+def feed_more(model, cache, tokens: list[int]) -> None:
+    for token in tokens:
+        model(input_ids=torch.tensor([[token]]), **with_cache(model, cache), use_cache=True)
+
+
+def test_held_lookahead_padded_batch_equals_single_runs(llama):
+    seqs = prompts([61, 37, 50], seed=3)
+    profile = recipe_profile(llama)
+    layer_plans_ = rules_plans(profile, heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter",
+                               lookahead=4, lookahead_hold=HOLD)
+    new = 20
+    with torch.no_grad(), attach(llama, profile):
+        batch = llama.generate(**left_pad(seqs), max_new_tokens=new, **with_cache(llama, KvtoolCache(llama.config, layer_plans_)), **GREEDY)
+        for i, seq in enumerate(seqs):
+            single = llama.generate(**left_pad([seq]), max_new_tokens=new, **with_cache(llama, KvtoolCache(llama.config, layer_plans_)), **GREEDY)
+            alone = single.sequences[0, len(seq):]
+            assert torch.equal(alone, batch.sequences[i, -new:][: len(alone)]), f"sequence {i}"
+            diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(single.scores, batch.scores))
+            assert diff < 1e-6
+
+
+@pytest.mark.parametrize("bad", [0.5, -1, True])
+def test_bad_hold_is_refused(llama, bad):
+    plan = next(p for p in rules_plans(recipe_profile(llama)) if p is not None)
+    with pytest.raises(KvtoolError, match="lookahead hold"):
+        dataclasses.replace(plan, lookahead_hold=bad)

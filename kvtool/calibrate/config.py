@@ -65,6 +65,8 @@ class CalibrateConfig:
     # Written into the profile and applied to every recipe the search measures (not searched: every
     # candidate would gain from a longer one, and it holds the whole prompt that many tokens longer).
     lookahead: int = DEFAULT_LOOKAHEAD
+    # What the lookahead holds: 0, the whole prompt; c >= 1, c times each layer's share.
+    lookahead_hold: float = 0.0
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -92,6 +94,8 @@ class CalibrateConfig:
             )
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise KvtoolError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if not (self.lookahead_hold == 0 or self.lookahead_hold >= 1):
+            raise KvtoolError(f"lookahead hold must be 0 (the whole prompt) or at least 1, got {self.lookahead_hold!r}")
         if self.reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
@@ -105,6 +109,7 @@ class CalibrateConfig:
             merge_modes=merge_modes,
             answer_references=self.answer_references,
             lookahead=self.lookahead,
+            lookahead_hold=float(self.lookahead_hold),
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

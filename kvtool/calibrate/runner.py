@@ -138,7 +138,7 @@ def calibrate(
 
     def profile_for(settings: MethodSettings) -> Profile:
         """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead)."""
-        settings = replace(settings, lookahead=config.lookahead)
+        settings = replace(settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold)
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))

@@ -167,6 +167,14 @@ def calibrate_command(
             "then the budget, so the peak KV memory is the full cache's. 0 (default): compress right after the prompt.",
         ),
     ] = 0,  # kvtool.calibrate.config.DEFAULT_LOOKAHEAD
+    lookahead_hold: Annotated[
+        float,
+        typer.Option(
+            "--lookahead-hold",
+            help="What the lookahead holds: 0 (default) the whole prompt (the KV memory peaks at the full cache's); "
+            "C >= 1, C times each layer's share, the prompt's best-scored entries (it peaks at C times the budget).",
+        ),
+    ] = 0.0,
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()
@@ -196,6 +204,7 @@ def calibrate_command(
         reference_tokens=reference_tokens,
         answer_references=answer_references,
         lookahead=lookahead,
+        lookahead_hold=lookahead_hold,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )

@@ -132,7 +132,9 @@ def generate_command(
         if min_kept:
             cache_note += f"; at least {min_kept} entries per layer"
         if chosen[0].method.lookahead:
-            cache_note += f"; lookahead {chosen[0].method.lookahead} tokens (the whole prompt is held until then)"
+            hold = chosen[0].method.lookahead_hold
+            held = f"{hold:g}x each layer's share" if hold else "the whole prompt"
+            cache_note += f"; lookahead {chosen[0].method.lookahead} tokens ({held} held until then)"
     try:
         result = generate(
             loaded.model,

@@ -58,7 +58,8 @@ class MethodResult:
     # The most physical KV bytes held after any step of greedy generation (the prompt's included),
     # over the full cache's bytes at the end: what memory must be there, not only what is left.
     kv_peak_fraction: float = math.nan
-    lookahead: int = 0  # new tokens the method generated over the whole prompt before compressing
+    lookahead: int = 0  # new tokens the method generated over the prompt before compressing
+    lookahead_hold: float = 0.0  # what it held meanwhile: 0 the whole prompt, c c times each layer's share
 
     @property
     def rouge_l_sem(self) -> float:
@@ -123,6 +124,7 @@ class EvalReport:
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
                     "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "lookahead": r.lookahead,
+                    "lookahead_hold": r.lookahead_hold,
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,

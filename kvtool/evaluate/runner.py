@@ -226,6 +226,7 @@ class _Evaluation:
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
             kv_peak_fraction=peak / full if full else math.nan, lookahead=profile.method.lookahead,
+            lookahead_hold=profile.method.lookahead_hold,
             per_prompt=per_prompt.scores(),
         )
 

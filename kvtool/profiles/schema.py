@@ -94,6 +94,9 @@ class MethodSettings:
     # the layer compresses to its share; 0 compresses right after the prompt. The first tokens of
     # an answer read what the answer needs, which the question alone does not show.
     lookahead: int = field(default=0, metadata=rule(low=0, omit_default=True))
+    # What the lookahead holds: 0, the whole prompt (the KV memory peaks at the full cache's); c >= 1,
+    # c times each layer's share, the prompt's best-scored entries (the peak is c times the budget).
+    lookahead_hold: float = field(default=0.0, metadata=rule(low=0, omit_default=True))
 
 
 @dataclass(frozen=True)

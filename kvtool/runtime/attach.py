@@ -99,6 +99,7 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
                 recent_share=method.recent_share,
                 min_kept=min_kept,
                 lookahead=method.lookahead,
+                lookahead_hold=method.lookahead_hold,
             )
         )
     return plans

@@ -73,12 +73,21 @@ class LayerPlan:
     # the prompt's scores: column sums, per-head sums and the observation window); 0: compress right
     # after the prompt.
     lookahead: int = 0
+    # During the lookahead, hold this multiple of the layer's share (the prompt entries ranked
+    # highest by the prompt's scores, one set for every head, nothing merged) instead of the whole
+    # prompt: the KV memory peaks at that multiple of the budget, not at the full cache's. 0: the
+    # whole prompt.
+    lookahead_hold: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:
             raise KvtoolError(f"min-kept must be an integer >= 0, got {self.min_kept!r}")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise KvtoolError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if isinstance(self.lookahead_hold, bool) or not isinstance(self.lookahead_hold, (int, float)) or not (
+            self.lookahead_hold == 0 or self.lookahead_hold >= 1
+        ):
+            raise KvtoolError(f"lookahead hold must be 0 (the whole prompt) or at least 1, got {self.lookahead_hold!r}")
         if self.heads not in HEAD_MODES:
             raise KvtoolError(f"unknown head mode {self.heads!r} (known: {', '.join(HEAD_MODES)})")
         self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
@@ -279,27 +288,35 @@ class CompressingLayer(DynamicLayer):
         else:
             token_valid = mask[:, 0].diagonal(dim1=-2, dim2=-1).clone()
         if self.compresses and self.plan.lookahead > 0 and scores is not None:
-            # Hold the whole prompt (nothing dropped, nothing evicted) until the lookahead tokens
-            # have added their attention; `_end_lookahead` then compresses prompt and tokens at once.
-            self._compress(token_valid, None, keep_all=True)
+            # Hold the prompt (all of it, or the plan's multiple of its share; nothing evicted) until
+            # the lookahead tokens have added their attention; `_end_lookahead` then compresses what
+            # is held and the tokens at once.
+            self._compress(token_valid, scores, hold=True)
             self._pending = scores
             return
         self._compress(token_valid, scores)
 
-    def _compress(self, token_valid: torch.Tensor, scores: PromptScores | None, keep_all: bool = False) -> None:
-        """Keep each sequence's share of the columns `keys`/`values` hold in logical order (all of
-        them with `keep_all`), ranked by `scores`."""
+    def _compress(
+        self, token_valid: torch.Tensor, scores: PromptScores | None, hold: bool = False, tokens: np.ndarray | None = None
+    ) -> None:
+        """Keep each sequence's share of the columns `keys`/`values` hold in logical order, ranked
+        by `scores`; with `hold`, what the lookahead holds instead. `tokens`: the tokens seen per
+        sequence where `token_valid` marks fewer (columns the lookahead hold dropped)."""
         keys, values = self.keys, self.values
         image_mask = self._image_mask(token_valid)
-        self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64)
+        self.tokens = token_valid.sum(dim=1).cpu().numpy().astype(np.int64) if tokens is None else tokens.copy()
         plan = self.plan
         keep = plan.keep(self.tokens)
+        keep_all = hold and not plan.lookahead_hold
+        if hold and not keep_all:
+            keep = np.minimum(np.ceil(plan.lookahead_hold * keep - 1e-9).astype(np.int64), self.tokens)
+            keep_all = bool((keep >= self.tokens).all())
         importance = None if scores is None else scores.importance
         rank_by = self._rank_by(scores, token_valid)
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid
             self.prompt_scores, self.prompt_score = scores, rank_by
-        self.per_head = plan.heads == "per-head" and self.compresses and not keep_all
+        self.per_head = plan.heads == "per-head" and self.compresses and not hold
         if rank_by is None:
             rank_by = importance  # rules that rank by position ignore it
         if plan.ratio >= 1.0 or keep_all:
@@ -307,6 +324,9 @@ class CompressingLayer(DynamicLayer):
             index = self.order
             kept_valid = token_valid
             frozen_rank = torch.cumsum(token_valid.long(), dim=1) - 1
+        elif hold:
+            keys, values, index, kept_valid = self._select_hold(rank_by, token_valid, keep, image_mask)
+            frozen_rank = torch.arange(index.shape[-1], device=keys.device).expand_as(kept_valid)
         else:
             select = self._select_per_head if self.per_head else self._select_shared
             keys, values, index, kept_valid = select(rank_by, token_valid, keep, image_mask)
@@ -318,7 +338,7 @@ class CompressingLayer(DynamicLayer):
         if image_mask is not None:
             image = image_mask[:, None, :].expand(-1, index.shape[1], -1) if self.per_head else image_mask
             self.image = image.gather(-1, index) & entry_valid
-        if plan.evict.needs_scores and self.compresses and not keep_all:
+        if plan.evict.needs_scores and self.compresses and not hold:
             accumulated = plan.evict.seed(scores, token_valid, plan, self.per_head)
             self.score = accumulated.gather(-1, index).masked_fill(~entry_valid, 0.0)
         self._prompt_columns = self.seen
@@ -364,6 +384,21 @@ class CompressingLayer(DynamicLayer):
         )
         keys, values = plan.merge.merge(self.keys, self.values, selection, token_valid, rank_by)
         return keys, values, selection.index, selection.valid
+
+    def _select_hold(self, rank_by, token_valid, keep, image_mask):
+        """What a bounded lookahead holds: one index set for every KV head (a per-head score counts
+        at its best head, so each head's top entries are among them), selected like the plan's own
+        but nothing merged: the dropped entries are simply gone."""
+        if rank_by is not None and rank_by.dim() == 3:
+            rank_by = rank_by.amax(dim=1)
+        plan = self.plan
+        selection = plan.select.select(
+            rank_by, token_valid, keep, sink_tokens=plan.sink_tokens,
+            recent_window=self._protected_recent(keep), image_mask=image_mask,
+        )
+        index, dim = selection.index, self.keys.shape[-1]
+        spread = index[:, None, :, None].expand(-1, self.keys.shape[1], -1, dim)
+        return self.keys.gather(2, spread), self.values.gather(2, spread), index, selection.valid
 
     def _select_per_head(self, rank_by, token_valid, keep, image_mask):
         """Each KV head its own top-`keep[b]`: every (sequence, head) pair is selected and merged as a
@@ -541,13 +576,14 @@ class CompressingLayer(DynamicLayer):
         values.scatter_(2, spread, self.values)
         scores = self._pending
         self._pending = None
+        tokens = self.tokens
         if self.prompt_image is not None:
             extra = columns - self.prompt_image.shape[1]
             self.prompt_image = torch.cat([self.prompt_image, self.prompt_image.new_zeros(bsz, extra)], dim=1)
         self.keys, self.values = keys[:, :, :columns], values[:, :, :columns]
         self.order = torch.arange(columns, device=self.keys.device).expand(bsz, columns).contiguous()
         self.attention = None
-        self._compress(token_valid, scores)
+        self._compress(token_valid, scores, tokens=tokens)
 
     def _drop_per_head(self, rows: torch.Tensor, victim: torch.Tensor) -> None:
         """In each of `rows`, every KV head drops its own victim slot (`victim` [B, Hkv]): the row's last
