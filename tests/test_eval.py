@@ -302,13 +302,16 @@ def test_kv_peak_counts_the_lookahead(loaded, prompts_file, tmp_path):
 
     records = load_jsonl(prompts_file)
     results = {}
-    for lookahead in (0, 3):
-        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", eviction="tova", lookahead=lookahead)
-        path = tmp_path / f"look{lookahead}.yaml"
+    for lookahead, hold in ((0, 0.0), (3, 0.0), (3, 2.0)):
+        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", eviction="tova", lookahead=lookahead,
+                               lookahead_hold=hold)
+        path = tmp_path / f"look{lookahead}-{hold}.yaml"
         save_profile(profile, path)
         config = EvalConfig(methods=("kvtool",), budgets=(profile.budget,), max_new_tokens=8)
-        (results[lookahead],) = evaluate(loaded, data=records, profile=path, config=config).results
-    plain, ahead = results[0], results[3]
+        (results[lookahead, hold],) = evaluate(loaded, data=records, profile=path, config=config).results
+    plain, ahead, held = results[0, 0.0], results[3, 0.0], results[3, 2.0]
+    assert (held.lookahead, held.lookahead_hold) == (3, 2.0)
+    assert plain.kv_peak_fraction + 0.1 < held.kv_peak_fraction < ahead.kv_peak_fraction - 0.1
     assert plain.kv_peak_fraction == pytest.approx(plain.kv_fraction, rel=0.15)
     # (Short prompts: the per-slot bookkeeping and 16-slot growth keep the end well above 0.3.)
     assert ahead.kv_peak_fraction > 0.9 > 0.7 > ahead.kv_fraction
