@@ -474,6 +474,12 @@ BATCH_CASES = {
     "shared-union85-h2o": dict(scorer="union", window=4, pool=3, evict="heavy-hitter", window_share=0.85),
     "per-head-union-h2o-window": dict(heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter-window"),
     "shared-sum-h2o-window": dict(window=4, pool=3, evict="heavy-hitter-window"),
+    # Lookahead (tests/test_lookahead.py): the whole prompt, then twice the share, held for 4 tokens.
+    "per-head-union-h2o-lookahead": dict(heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter", lookahead=4),
+    "per-head-union-h2o-lookahead-hold": dict(
+        heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter", lookahead=4, lookahead_hold=2.0
+    ),
+    "shared-window-fixed-point-lookahead-hold": dict(scorer="window", window=4, pool=3, lookahead=3, lookahead_hold=1.5),
 }
 
 
