@@ -221,7 +221,7 @@ def test_method_profile_settings_and_errors(llama):
     held = method_profile("kvtool-prompt-only", llama, chosen.budget, chosen)
     assert held.method == dataclasses.replace(chosen.method, eviction="prompt-only") and held.layers == chosen.layers
     ahead = method_profile("kvtool-lookahead", llama, chosen.budget, chosen)
-    assert ahead.method == dataclasses.replace(chosen.method, lookahead=8) and ahead.layers == chosen.layers
+    assert ahead.method == dataclasses.replace(chosen.method, lookahead=8, lookahead_hold=2.0) and ahead.layers == chosen.layers
     # Baselines compress right after the prompt whatever the calibrated profile holds.
     looking = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, lookahead=5))
     assert method_profile("kvtool", llama, chosen.budget, looking).method.lookahead == 5
