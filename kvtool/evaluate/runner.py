@@ -161,6 +161,13 @@ class _Evaluation:
             eos_ids=self.eos, pad_id=self.pad, answers=[None] * len(batch.rows), on_step=on_step,
         )
 
+    def _scored_texts(self, greedy: References, rows: tuple[int, ...], into: _PerPrompt) -> list[str]:
+        """Score accuracy on the whole greedy outputs; return the texts ROUGE-L compares (from
+        `score_from` on; decoded once more only when that cuts anything)."""
+        whole = _texts(self.tokenizer, greedy)
+        self._accuracy(rows, whole, into)
+        return _texts(self.tokenizer, greedy, self.config.score_from) if self.config.score_from else whole
+
     def _accuracy(self, rows: tuple[int, ...], texts: list[str], into: _PerPrompt) -> None:
         for row, text in zip(rows, texts):
             if self.records[row].answers:
@@ -187,8 +194,7 @@ class _Evaluation:
             scored = _scored_from(refs.scored, self.config.score_from)
             total.add(refs.nll_full, scored)
             per_prompt.add_nll(batch.rows, refs.nll_full, scored)
-            self._accuracy(batch.rows, _texts(self.tokenizer, greedy), per_prompt)
-            texts = _texts(self.tokenizer, greedy, self.config.score_from)
+            texts = self._scored_texts(greedy, batch.rows, per_prompt)
             targets.append(_BatchTargets(batch, refs, texts, _token_ids(greedy)))
         self.progress(STAGE_FULL, len(batches), len(batches))
         return targets, total, per_prompt
@@ -216,10 +222,9 @@ class _Evaluation:
                 kept += largest[-1]
                 peak += max(largest)
                 full += kv_bytes_full(greedy_cache)
-                texts = _texts(self.tokenizer, greedy, self.config.score_from)
+                texts = self._scored_texts(greedy, target.batch.rows, per_prompt)
                 for row, text, target_text in zip(target.batch.rows, texts, target.full_texts):
                     per_prompt.rouge_l[row] = rouge_l_f1(text, target_text)
-                self._accuracy(target.batch.rows, _texts(self.tokenizer, greedy), per_prompt)
                 tick()
         rouge = per_prompt.rouge_l
         return MethodResult(
