@@ -226,6 +226,11 @@ def test_method_profile_settings_and_errors(llama):
     looking = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, lookahead=5))
     assert method_profile("kvtool", llama, chosen.budget, looking).method.lookahead == 5
     assert all(method_profile(m, llama, chosen.budget, looking).method.lookahead == 0 for m in ("tova", "h2o", "prefixkv"))
+    drafting = method_profile("kvtool-draft", llama, chosen.budget, looking)
+    assert drafting.method == dataclasses.replace(chosen.method, draft=8) and drafting.layers == chosen.layers
+    drafted = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, draft=4))
+    assert method_profile("kvtool", llama, chosen.budget, drafted).method.draft == 4
+    assert all(method_profile(m, llama, chosen.budget, drafted).method.draft == 0 for m in ("tova", "h2o", "prefixkv", "snapkv"))
     # prefixkv stays the papers' recipe whatever calibration chose: shared attention-sum, fixed-point.
     papers = method_profile("prefixkv", llama, chosen.budget, chosen).method
     assert (papers.scorer, papers.heads, papers.eviction, papers.recent_share) == ("attention-sum", "shared", "fixed-point", 0.0)

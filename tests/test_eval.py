@@ -318,3 +318,24 @@ def test_kv_peak_counts_the_lookahead(loaded, prompts_file, tmp_path):
     assert ahead.kv_peak_fraction > plain.kv_peak_fraction + 0.3
     assert ahead.kv_fraction == pytest.approx(plain.kv_fraction, rel=0.1)
     assert dataclasses.asdict(ahead)["kv_peak_fraction"] == ahead.kv_peak_fraction
+
+
+def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path):
+    """A profile with a draft scores the prompt twice but never holds more than the budget: its
+    peak is its kept share, like the plain profile's; the result says how many tokens it drafted."""
+    from kvtool.profiles import save_profile
+    from tiny_models import profile_with
+
+    records = load_jsonl(prompts_file)
+    results = {}
+    for draft in (0, 4):
+        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", eviction="tova", draft=draft)
+        path = tmp_path / f"draft{draft}.yaml"
+        save_profile(profile, path)
+        config = EvalConfig(methods=("kvtool",), budgets=(profile.budget,), max_new_tokens=8)
+        (results[draft],) = evaluate(loaded, data=records, profile=path, config=config).results
+    plain, drafted = results[0], results[4]
+    assert (plain.draft, drafted.draft) == (0, 4)
+    assert drafted.kv_peak_fraction == pytest.approx(plain.kv_peak_fraction, rel=0.05)
+    assert drafted.kv_fraction == pytest.approx(plain.kv_fraction, rel=0.05)
+    assert drafted.ppl != plain.ppl  # the draft's rows changed what was kept

@@ -269,13 +269,16 @@ def eager_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [att[0] for att in out.attentions]
 
 
-def reference_scores(att: torch.Tensor, scorer: str, window: int, pool: int, window_share: float = 0.5) -> torch.Tensor:
-    """[Hkv, n] per-head scores (averaged over each KV head's query heads), pooled like the runtime."""
-    hq, n, _ = att.shape
+def reference_scores(
+    att: torch.Tensor, scorer: str, window: int, pool: int, window_share: float = 0.5, draft: int = 0
+) -> torch.Tensor:
+    """[Hkv, n] per-head scores (averaged over each KV head's query heads), pooled like the runtime.
+    `att` is [Hq, rows, n]: with a draft, its last `draft` rows read the prompt too and join the window."""
+    hq, _, n = att.shape
     total = att.sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
     if scorer == "attention-sum":
         return total
-    raw = att[:, -window:].sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
+    raw = att[:, -(window + draft):].sum(dim=1).view(hq // GROUPS, GROUPS, n).mean(dim=1)
     pooled = [brute_force_pool(row.tolist(), window, pool) for row in raw]
     if scorer == "union":
         pooled = [brute_force_union(a, b.tolist(), window_share) for a, b in zip(pooled, total)]
@@ -375,8 +378,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("draft", [0, 5], ids=["prompt", "draft"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_compressed_decoding_matches_per_head_reference(case):
+def test_compressed_decoding_matches_per_head_reference(case, draft):
+    """With a draft (`KvtoolCache.set_draft`), the prompt forward runs over the prompt and `draft`
+    more tokens: every score counts their rows too (the window grows by them), only prompt columns
+    are candidates, and decoding continues from the prompt's end."""
     heads_mode, scorer, window, pool, merge, rule, *extra = CASES[case]
     share = extra[0] if extra else 0.0
     window_share = extra[1] if len(extra) > 1 else 0.5
@@ -392,27 +399,30 @@ def test_compressed_decoding_matches_per_head_reference(case):
     steps = torch.randint(3, 97, (44,), generator=torch.Generator().manual_seed(7)).tolist()
     recent = max(RECENT, window) if scorer in ("window", "union") else RECENT
 
+    drafted = torch.randint(3, 97, (1, draft), generator=torch.Generator().manual_seed(11))
+    rows = window + draft  # the observation window's rows
+
     with torch.no_grad():
-        maps = eager_maps(model, ids)
+        maps = [m[:, :, :n] for m in eager_maps(model, torch.cat([ids, drafted], dim=1))]  # [Hq, n + draft, n]
         full = KvtoolCache(model.config, [None] * len(RATIOS))
         model(input_ids=ids, **with_cache(model, full))
         layers = []
         for index, ratio in enumerate(RATIOS):
             keep = math.ceil(ratio * n - 1e-9)
             recent_here = max(recent, math.ceil(share * keep)) if share else recent
-            score = reference_scores(maps[index], scorer, window, pool, window_share)
+            score = reference_scores(maps[index], scorer, window, pool, window_share, draft)
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
             if not per_head:
                 score = score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
                 if scorer in ("window", "union"):  # shared layers pool the head-averaged score
-                    raw = maps[index][:, -window:].sum(dim=1).mean(dim=0)
+                    raw = maps[index][:, -rows:].sum(dim=1).mean(dim=0)
                     pooled = brute_force_pool(raw.tolist(), window, pool)
                     if scorer == "union":
                         pooled = brute_force_union(pooled, maps[index].sum(dim=1).mean(dim=0).tolist(), window_share)
                     score = torch.tensor(pooled)[None].expand(KV_HEADS, n)
                 h2o_score = h2o_score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)
             if rule == "heavy-hitter-window":  # the question's attention, pooled, starts the sums
-                raw = maps[index][:, -window:].sum(dim=1)
+                raw = maps[index][:, -rows:].sum(dim=1)
                 raw = raw.view(KV_HEADS, GROUPS, n).mean(dim=1) if per_head else raw.mean(dim=0, keepdim=True)
                 pooled = torch.tensor([brute_force_pool(row.tolist(), window, pool) for row in raw])
                 h2o_score = pooled.expand(KV_HEADS, n)
@@ -431,7 +441,9 @@ def test_compressed_decoding_matches_per_head_reference(case):
 
         with attach(model, profile):
             cache = KvtoolCache(model.config, plans)
-            model(input_ids=ids, **with_cache(model, cache))
+            cache.set_draft(draft)
+            model(input_ids=torch.cat([ids, drafted], dim=1), **with_cache(model, cache))
+            assert cache.get_seq_length() == n
             for step, token in enumerate([*steps, None]):  # check the state after `step` new tokens, then feed one
                 seen = n + step
                 for index, ratio in enumerate(RATIOS):

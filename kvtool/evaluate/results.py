@@ -60,6 +60,7 @@ class MethodResult:
     kv_peak_fraction: float = math.nan
     lookahead: int = 0  # new tokens the method generated over the prompt before compressing
     lookahead_hold: float = 0.0  # what it held meanwhile: 0 the whole prompt, c c times each layer's share
+    draft: int = 0  # tokens drafted at the budget to score the prompt again (MethodSettings.draft)
 
     @property
     def rouge_l_sem(self) -> float:
@@ -124,7 +125,7 @@ class EvalReport:
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
                     "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "lookahead": r.lookahead,
-                    "lookahead_hold": r.lookahead_hold,
+                    "lookahead_hold": r.lookahead_hold, "draft": r.draft,
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,

@@ -39,6 +39,7 @@ from kvtool.scoring import (
     Batch,
     NllTotal,
     References,
+    draft_prompt_forward,
     encode_batches,
     prompt_forward,
     reference_continuations,
@@ -209,8 +210,7 @@ class _Evaluation:
         per_prompt = _PerPrompt(len(self.records))
         with attach(self.model, profile) as handle:
             for target in targets:
-                cache = handle.new_cache()
-                first = prompt_forward(self.model, target.batch, cache)
+                cache, first = draft_prompt_forward(self.model, target.batch, handle.new_cache, profile.method.draft)
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)
                 scored = _scored_from(target.references.scored, self.config.score_from)
@@ -231,7 +231,7 @@ class _Evaluation:
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
             kv_peak_fraction=peak / full if full else math.nan, lookahead=profile.method.lookahead,
-            lookahead_hold=profile.method.lookahead_hold,
+            lookahead_hold=profile.method.lookahead_hold, draft=profile.method.draft,
             per_prompt=per_prompt.scores(),
         )
 

@@ -97,6 +97,11 @@ class MethodSettings:
     # What the lookahead holds: 0, the whole prompt (the KV memory peaks at the full cache's); c >= 1,
     # c times each layer's share, the prompt's best-scored entries (the peak is c times the budget).
     lookahead_hold: float = field(default=0.0, metadata=rule(low=0, omit_default=True))
+    # Draft: before the prompt is compressed, `draft` tokens are generated through the compressed
+    # cache and the prompt is run again with them appended; their attention joins the prompt's
+    # scores (observation window and column sums), then they are dropped and generation starts
+    # from the prompt's end. The cache never holds more than the budget (one prompt forward more).
+    draft: int = field(default=0, metadata=rule(low=0, omit_default=True))
 
 
 @dataclass(frozen=True)

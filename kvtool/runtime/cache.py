@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvtool.errors import KvtoolError
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
 
 
@@ -43,6 +44,19 @@ class KvtoolCache(DynamicCache):
         self.image_mask = None if image_mask is None else image_mask.to(torch.bool)
         for layer in self.compressing_layers().values():
             layer.set_prompt_image(self.image_mask)
+
+    def set_draft(self, tokens: int) -> None:
+        """The next forward is the prompt followed by `tokens` draft rows, which score the prompt
+        and are then dropped (`CompressingLayer.set_draft`); every layer must compress, since a plain
+        layer would keep the draft."""
+        plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
+        if tokens and plain:
+            raise KvtoolError(
+                f"a draft needs every layer to be a kvtool layer; layers {plain[:3]} keep transformers' own "
+                "(sliding-window layers of hybrid models cannot drop the draft)"
+            )
+        for layer in self.compressing_layers().values():
+            layer.set_draft(tokens)
 
     def kept_image(self) -> dict[int, np.ndarray]:
         """Per compressing layer, the kept entries of each sequence that came from image tokens ([B])."""

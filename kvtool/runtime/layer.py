@@ -136,6 +136,8 @@ class CompressingLayer(DynamicLayer):
         # While the plan's lookahead tokens are generated: the prompt's scores grown by theirs, by
         # logical column ([B, n + t], heads and window [B, Hkv, n + t]); None otherwise.
         self._pending: PromptScores | None = None
+        # Draft rows at the end of the prompt forward (`set_draft`): they score, they are not kept.
+        self._draft = 0
 
     # ----- transformers' cache-layer interface -------------------------------------------------
 
@@ -236,12 +238,27 @@ class CompressingLayer(DynamicLayer):
         if self.compresses and plan.evict.needs_scores:
             seed = plan.evict.seed_request(plan, per_head)  # its window is the plan's, as the scorer's
             request = replace(request, heads=request.heads or seed.heads, window=request.window or seed.window)
+        if request.window and self._draft:
+            request = replace(request, window=request.window + self._draft)  # the draft rows read too
         return request
 
     @property
     def entry_valid(self) -> torch.Tensor:
         """Slot validity shaped to broadcast against the per-entry metadata ([B, S] or [B, 1, S])."""
         return self.valid[:, None, :] if self.per_head else self.valid
+
+    def set_draft(self, tokens: int) -> None:
+        """The prompt forward that fills this layer ends with `tokens` draft rows (a first draft of
+        the answer): their attention joins the prompt's scores (every row's column sums, and the
+        observation window, which grows by them), then the layer keeps only prompt entries and reports
+        the prompt's length, so the next token continues from the prompt's end."""
+        if self.is_initialized:
+            raise KvtoolError("the draft length must be set before the prompt is processed")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise KvtoolError(f"draft tokens must be an integer >= 0, got {tokens!r}")
+        if tokens and self.plan.lookahead:
+            raise KvtoolError("a draft and a lookahead cannot be combined: the draft replaces the lookahead")
+        self._draft = tokens
 
     def set_prompt_image(self, image_mask: torch.Tensor | None) -> None:
         """Which prompt positions are image tokens ([B, n] bool); before the prompt forward only."""
@@ -287,6 +304,8 @@ class CompressingLayer(DynamicLayer):
             token_valid = torch.ones(bsz, n, dtype=torch.bool, device=self.keys.device)
         else:
             token_valid = mask[:, 0].diagonal(dim1=-2, dim2=-1).clone()
+        if self._draft:
+            token_valid, scores = self._drop_draft(token_valid, scores)
         if self.compresses and self.plan.lookahead > 0 and scores is not None:
             # Hold the prompt (all of it, or the plan's multiple of its share; nothing evicted) until
             # the lookahead tokens have added their attention; `_end_lookahead` then compresses what
@@ -295,6 +314,19 @@ class CompressingLayer(DynamicLayer):
             self._pending = scores
             return
         self._compress(token_valid, scores)
+
+    def _drop_draft(self, token_valid: torch.Tensor, scores: PromptScores | None) -> tuple[torch.Tensor, PromptScores | None]:
+        """Cut the draft's columns: keys, values, positions and scores keep the prompt's alone."""
+        n = self.seen - self._draft
+        self._draft = 0
+        self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
+        self.order = self.order[:, :n].contiguous()
+        self.seen = n
+        if self.prompt_image is not None:
+            self.prompt_image = self.prompt_image[:, :n]
+        if scores is not None:
+            scores = PromptScores(*(None if t is None else t[..., :n] for t in (scores.importance, scores.heads, scores.window)))
+        return token_valid[:, :n], scores
 
     def _compress(
         self, token_valid: torch.Tensor, scores: PromptScores | None, hold: bool = False, tokens: np.ndarray | None = None

@@ -1,0 +1,76 @@
+"""The prompt forward with a draft: the answer's first tokens, drafted at the budget, help choose what stays.
+
+A question says what the answer needs only in part; the answer's own first tokens read the rest
+(which name, which number). A lookahead (`MethodSettings.lookahead`) lets them read it by holding
+more than the budget while they are generated. A draft gets the same signal at the budget:
+
+1. the prompt is compressed as usual and `tokens` greedy tokens are drafted through that cache;
+2. that cache is dropped, and the prompt runs again into a fresh cache with the draft appended: the
+   draft rows attend to the whole prompt inside that one forward, their attention joins the
+   prompt's scores (column sums, and the observation window, which grows by the draft), and every
+   layer keeps only prompt entries (`KvtoolCache.set_draft`);
+3. generation starts from the prompt's end with the prompt's own last logits, exactly as without a
+   draft, so the first token is the full cache's and no drafted token is kept.
+
+The cache holds the budget throughout; the cost is one more prompt forward and `tokens` - 1 steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvtool.scoring.batches import Batch
+from kvtool.scoring.engine import prompt_forward, step_tokens
+
+
+def drafted(model: Any, cache: Any, first_logits: torch.Tensor, batch: Batch, tokens: int) -> torch.Tensor:
+    """[B, tokens] greedy tokens after the prompt through `cache` (which holds the prompt)."""
+    chosen: list[torch.Tensor] = []
+
+    def pick(t: int, logits: torch.Tensor) -> torch.Tensor:
+        chosen.append(logits.argmax(dim=-1))
+        return chosen[-1]
+
+    step_tokens(model, cache, first_logits, batch, tokens, pick)
+    return torch.stack(chosen, dim=1)
+
+
+def with_draft(batch: Batch, draft: torch.Tensor) -> Batch:
+    """`batch` with `draft` [B, k] appended to every row: real tokens at the positions the rows
+    continue from."""
+    k = draft.shape[1]
+    steps = torch.arange(k, dtype=batch.position_ids.dtype)
+    following = batch.next_positions.to(batch.position_ids.dtype) + steps  # [B, k]
+    if batch.position_ids.dim() == 3:  # multimodal rope: [3, B, W], text positions on every axis
+        following = following[None].expand(batch.position_ids.shape[0], -1, -1)
+    extras = dict(batch.extras)
+    for key, value in batch.extras.items():
+        if value.dim() == 2 and value.shape == batch.input_ids.shape:  # per-token inputs (token types)
+            extras[key] = torch.cat([value, value.new_zeros(value.shape[0], k)], dim=1)
+    return dataclasses.replace(
+        batch,
+        input_ids=torch.cat([batch.input_ids, draft.to(batch.input_ids.device, batch.input_ids.dtype)], dim=1),
+        attention_mask=torch.cat([batch.attention_mask, batch.attention_mask.new_ones(draft.shape[0], k)], dim=1),
+        position_ids=torch.cat([batch.position_ids, following], dim=-1),
+        extras=extras,
+    )
+
+
+def draft_prompt_forward(model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int) -> tuple[Any, torch.Tensor]:
+    """The prompt of `batch` in a fresh cache from `make_cache`, compressed with a `tokens`-token
+    draft's attention in its scores; returns the cache and the prompt's last logits [B, V].
+    `tokens` 0 is the plain prompt forward."""
+    cache = make_cache()
+    first = prompt_forward(model, batch, cache)
+    if tokens <= 0:
+        return cache, first
+    draft = drafted(model, cache, first, batch, tokens).cpu()
+    del cache  # the draft's cache goes before the second one fills: one budget at a time
+    cache = make_cache()
+    cache.set_draft(tokens)
+    prompt_forward(model, with_draft(batch, draft), cache)
+    return cache, first
