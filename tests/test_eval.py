@@ -329,7 +329,8 @@ def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path
     records = load_jsonl(prompts_file)
     results = {}
     for draft in (0, 4):
-        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", eviction="tova", draft=draft)
+        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova", draft=draft,
+                               sink_tokens=0, recent_window=1)
         path = tmp_path / f"draft{draft}.yaml"
         save_profile(profile, path)
         config = EvalConfig(methods=("kvtool",), budgets=(profile.budget,), max_new_tokens=8)
