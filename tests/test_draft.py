@@ -136,3 +136,51 @@ def test_hybrid_models_are_refused_in_one_line():
     with pytest.raises(KvtoolError, match="every layer to be a kvtool layer"):
         cache.set_draft(4)
     cache.set_draft(0)  # no draft: nothing to refuse
+
+
+def test_generate_with_a_draft_is_the_two_pass_greedy_text(tiny_llama_dir):
+    """`generate(..., draft=k)` (transformers' generate around the second cache) writes what the
+    step-by-step two passes write, per row of a padded batch; the cache it ends with holds the budget."""
+    from kvtool.models import load_model
+    from kvtool.models.loader import eos_token_ids
+    from kvtool.models.prompts import format_prompts
+    from kvtool.runtime.generate import generate
+
+    loaded = load_model(str(tiny_llama_dir))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    texts = ["alpha beta gamma " * 9 + "delta", "one two three four five six seven eight nine ten " * 3]
+    profile = profile_with(model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
+                           sink_tokens=0, recent_window=1)
+    new = 12
+    eos = eos_token_ids(model, tokenizer)
+    with attach(model, profile) as handle:
+        result = generate(model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K)
+        plain = generate(model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache)
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in format_prompts(tokenizer, texts)]
+        batch = left_pad(ids, (0, 1), tokenizer.pad_token_id)
+        with torch.no_grad():
+            cache, first = draft_prompt_forward(model, batch, handle.new_cache, K)
+            chosen = []
+            step_tokens(model, cache, first, batch, new, lambda t, logits: chosen.append(logits.argmax(-1)) or chosen[-1])
+    for row, output in enumerate(result.outputs):
+        tokens = [int(step[row]) for step in chosen]
+        cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+        assert output == tokenizer.decode(tokens[:cut], skip_special_tokens=True)
+    assert result.outputs != plain.outputs  # the draft changed what was kept
+    assert result.kv_bytes == plain.kv_bytes < 0.7 * result.kv_bytes_full
+    assert result.new_tokens == plain.new_tokens
+
+
+def test_draft_profile_through_the_cli(tiny_llama_dir, tmp_path):
+    import dataclasses
+
+    from kvtool.models import load_model
+    from kvtool.profiles import save_profile
+    from kvtool.runtime import uniform_profile
+    from test_cli_generate_budget import generate_json
+
+    base = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
+    path = save_profile(dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3)), tmp_path / "draft.yaml")
+    shown = generate_json(tiny_llama_dir, "--profile", str(path))
+    assert "prompt scored again with a 3-token draft" in shown["cache"]
+    assert shown["kv_bytes"] < 0.6 * shown["kv_bytes_full"]

@@ -135,6 +135,8 @@ def generate_command(
             hold = chosen[0].method.lookahead_hold
             held = f"{hold:g}x each layer's share" if hold else "the whole prompt"
             cache_note += f"; lookahead {chosen[0].method.lookahead} tokens ({held} held until then)"
+        if chosen[0].method.draft:
+            cache_note += f"; prompt scored again with a {chosen[0].method.draft}-token draft"
     try:
         result = generate(
             loaded.model,
@@ -144,6 +146,7 @@ def generate_command(
             temperature=temperature,
             seed=seed,
             cache_factory=cache_factory,
+            draft=0 if chosen is None else chosen[0].method.draft,
         )
     finally:
         if handle is not None:

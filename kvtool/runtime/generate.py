@@ -66,6 +66,32 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+def _drafted_cache(model: Any, inputs: Any, cache_factory: Callable[[], Any], draft: int, sampling: dict) -> tuple[Any, dict]:
+    """A cache whose prompt was compressed with a draft's attention in its scores, and the inputs
+    that continue from it: the prompt and the draft's first token.
+
+    The draft is `draft` tokens generated through a compressed cache of their own (dropped before
+    the second fills, so one budget is held at a time); the prompt runs again with them appended
+    into a fresh cache (`KvtoolCache.set_draft`), which keeps prompt entries only. The draft's first
+    token came from the prompt's own last logits, so it is the output's first token as without a draft.
+    """
+    first_pass = model.generate(**inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **sampling)
+    width = inputs["input_ids"].shape[1]
+    drafted = first_pass[:, width:]
+    mask = inputs["attention_mask"]
+    longer = torch.cat([mask, mask.new_ones(drafted.shape)], dim=1)
+    cache = cache_factory()
+    cache.set_draft(drafted.shape[1])
+    model(
+        input_ids=first_pass, attention_mask=longer, position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0),
+        use_cache=True, logits_to_keep=1, **with_cache(model, cache),
+    )
+    return cache, {
+        "input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1),
+        "attention_mask": longer[:, : width + 1],
+    }
+
+
 def generate(
     model: Any,
     tokenizer: Any,
@@ -75,39 +101,49 @@ def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     cache_factory: Callable[[], Any] | None = None,
+    draft: int = 0,
 ) -> GenerationResult:
     """Generate a continuation for each prompt as one left-padded batch.
 
     Greedy when `temperature` is 0, otherwise sampling at that temperature (seeded with `seed`).
     `cache_factory` builds the cache to use; by default a plain `DynamicCache` for the model's
-    config, created here so its size can be read after generation.
+    config, created here so its size can be read after generation. `draft` > 0 (a kvtool cache
+    factory only): that many tokens are first generated through a compressed cache, and a fresh
+    cache compresses the prompt with their attention in its scores (`_drafted_cache`); generation
+    then goes on from the draft's first token, which is the prompt's own next token.
     """
     if max_new_tokens < 1:
         raise KvtoolError("max-new-tokens must be at least 1")
     if temperature < 0:
         raise KvtoolError("temperature must be >= 0")
+    if draft and cache_factory is None:
+        raise KvtoolError("a draft needs a kvtool cache (a profile or a budget)")
     texts = format_prompts(tokenizer, prompts)
     inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
-    sampling: dict[str, Any] = {"do_sample": False}
+    prompt_width = inputs["input_ids"].shape[1]
+    sampling: dict[str, Any] = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     if temperature > 0:
-        sampling = {"do_sample": True, "temperature": temperature}
+        sampling.update(do_sample=True, temperature=temperature)
         if seed is not None:
             torch.manual_seed(seed)
     clock = _StepClock()
     with torch.inference_mode():
         started = time.perf_counter()
+        if draft and max_new_tokens > 1:
+            cache, inputs = _drafted_cache(model, inputs, cache_factory, draft, sampling)
+            max_new_tokens -= 1  # the draft's first token is the output's first
+            clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding
+        else:
+            cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
         sequences = model.generate(
             **inputs,
             **with_cache(model, cache),
             max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
             stopping_criteria=StoppingCriteriaList([clock]),
             **sampling,
         )
         finished = time.perf_counter()
 
-    prompt_width = inputs["input_ids"].shape[1]
     eos = eos_token_ids(model, tokenizer)
     generated = [_until_eos(row.tolist(), eos) for row in sequences[:, prompt_width:]]
     outputs = [
