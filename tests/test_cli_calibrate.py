@@ -314,3 +314,25 @@ def test_smollm2_ratios_agree_across_disjoint_sample_sets(smollm2: str) -> None:
     print(f"smollm2 disjoint sets: mean |diff| {diff.mean():.4f}, max |diff| {diff.max():.4f}")
     assert diff.mean() < 0.03 and diff.max() < 0.1
     assert np.corrcoef(ratios[0], ratios[1])[0, 1] > 0.9
+
+
+def test_draft_default_is_the_library_default_and_reaches_the_profile(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import inspect
+
+    from kvtool.calibrate.config import DEFAULT_DRAFT
+    from kvtool.cli.calibrate import calibrate_command
+
+    assert inspect.signature(calibrate_command).parameters["draft"].default == DEFAULT_DRAFT
+    out = tmp_path / "p.yaml"
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
+                       "--data", str(data_file), "--papers", "--draft", "6", "--out", str(out))
+    assert code == 0, err
+    assert read_profile(out).method.draft == 6 and read_profile(out).method.lookahead == 0
+    code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
+    assert code == 0 and "prompt scored again with a 6-token draft" in " ".join(shown.split())
+    for bad, says in ((["--draft", "-2"], "draft must be"), (["--draft", "4", "--lookahead", "2"], "cannot be combined")):
+        code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", *bad,
+                           "--out", str(tmp_path / "q.yaml"))
+        assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()

@@ -128,3 +128,11 @@ def test_lookahead_rows_say_so_and_show_their_peak(compare, tmp_path, capsys):
     doc["results"][0].update(lookahead_hold=2.0)
     compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
     assert "| kvtool | prompt + generation (2x the share for 8 tokens, then budget held) |" in capsys.readouterr().out
+
+
+def test_draft_rows_say_so(compare, tmp_path, capsys):
+    doc = kvtool_doc()
+    doc["results"][0].update(kv_peak_fraction=0.21, draft=24)
+    compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
+    out = capsys.readouterr().out
+    assert "| kvtool | prompt + generation (budget held; prompt scored again with a 24-token draft) | 1.700 |" in out

@@ -25,6 +25,8 @@ REFERENCE_TOKENS = 64
 # KV memory is the full cache's, and a generation shorter than the lookahead never compresses at all
 # (README, "Lookahead": what it buys and what it costs, measured).
 DEFAULT_LOOKAHEAD = 0
+# Tokens drafted at the budget to score the prompt a second time (the profile's `draft`; README, "Draft").
+DEFAULT_DRAFT = 0
 # Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
 DEFAULT_MERGE_MODES = ("position", "none")
 
@@ -67,6 +69,9 @@ class CalibrateConfig:
     lookahead: int = DEFAULT_LOOKAHEAD
     # What the lookahead holds: 0, the whole prompt; c >= 1, c times each layer's share.
     lookahead_hold: float = 0.0
+    # Written into the profile like the lookahead: tokens drafted at the budget whose attention
+    # joins the prompt's scores in a second prompt forward (MethodSettings.draft; 0: none).
+    draft: int = DEFAULT_DRAFT
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -96,6 +101,10 @@ class CalibrateConfig:
             raise KvtoolError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
         if not (self.lookahead_hold == 0 or self.lookahead_hold >= 1):
             raise KvtoolError(f"lookahead hold must be 0 (the whole prompt) or at least 1, got {self.lookahead_hold!r}")
+        if isinstance(self.draft, bool) or not isinstance(self.draft, int) or self.draft < 0:
+            raise KvtoolError(f"draft must be an integer >= 0, got {self.draft!r}")
+        if self.draft and self.lookahead:
+            raise KvtoolError("a draft and a lookahead cannot be combined: the draft replaces the lookahead")
         if self.reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
@@ -110,6 +119,7 @@ class CalibrateConfig:
             answer_references=self.answer_references,
             lookahead=self.lookahead,
             lookahead_hold=float(self.lookahead_hold),
+            draft=self.draft,
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

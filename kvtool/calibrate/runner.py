@@ -137,8 +137,8 @@ def calibrate(
         return scorer_key(settings) if settings.ratios == "scorer" else "attention-sum"
 
     def profile_for(settings: MethodSettings) -> Profile:
-        """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead)."""
-        settings = replace(settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold)
+        """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead and draft)."""
+        settings = replace(settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=config.draft)
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))

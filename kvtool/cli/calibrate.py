@@ -175,6 +175,15 @@ def calibrate_command(
             "C >= 1, C times each layer's share, the prompt's best-scored entries (it peaks at C times the budget).",
         ),
     ] = 0.0,
+    draft: Annotated[
+        int,
+        typer.Option(
+            "--draft",
+            help="Tokens drafted through the compressed cache before the prompt is compressed again with their "
+            "attention in its scores (what the answer reads); the draft is then dropped. The budget holds throughout; "
+            "the cost is one more prompt forward and the draft's steps. 0: none.",
+        ),
+    ] = 0,  # kvtool.calibrate.config.DEFAULT_DRAFT
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()
@@ -205,6 +214,7 @@ def calibrate_command(
         answer_references=answer_references,
         lookahead=lookahead,
         lookahead_hold=lookahead_hold,
+        draft=draft,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )

@@ -103,7 +103,8 @@ def _method_rows(profile: Profile) -> list[tuple[str, str]]:
             "Recipe",
             f"generation {s.eviction} · selection {s.selection} · scorer {scorer} · ratios {s.ratios}"
             f" · {s.heads} heads · recent share {s.recent_share:.0%}"
-            + (f" · lookahead {s.lookahead} tokens ({_held(s.lookahead_hold)} until then)" if s.lookahead else ""),
+            + (f" · lookahead {s.lookahead} tokens ({_held(s.lookahead_hold)} until then)" if s.lookahead else "")
+            + (f" · prompt scored again with a {s.draft}-token draft" if s.draft else ""),
         ),
         (
             "Method",
