@@ -176,3 +176,16 @@ def test_profile_for_another_model_is_refused(capsys, monkeypatch, tiny_llama_di
     code, out, err = run_main(capsys, monkeypatch, "bench", str(tiny_llama_dir), *SMALL, "--profile", str(path))
     assert code == 2 and out == ""
     assert err.startswith("error: profile is for") and len(err.strip().splitlines()) == 1
+
+
+def test_a_draft_profile_benches_at_the_same_memory(capsys, monkeypatch, tiny_llama_dir: Path, tiny, tmp_path) -> None:
+    """A draft adds a second prompt pass (counted in the prompt phase), never memory: the
+    compressed cache holds the same slots as without it."""
+    import dataclasses
+
+    base = profile_with(tiny.model, [0.2, 0.6])
+    plain = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(base, tmp_path / "plain.yaml")))
+    drafted = dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3))
+    report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(drafted, tmp_path / "draft.yaml")))
+    assert report["compressed"]["kv_slots"] == plain["compressed"]["kv_slots"]
+    assert report["compressed"]["kv_bytes"] == plain["compressed"]["kv_bytes"]

@@ -161,8 +161,11 @@ def run_once(
     new_tokens: int,
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
+    draft: int = 0,
 ) -> RunResult:
-    """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache."""
+    """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
+    `draft`, the prompt phase also drafts that many tokens and compresses the prompt again with
+    them (`kvtool.scoring.draft` says how): both passes count as the prompt phase."""
     device = ids.device
     release_memory(device)
     bsz, n = ids.shape
@@ -171,6 +174,8 @@ def run_once(
         _sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+        if draft:
+            cache = _drafted_cache(model, ids, out.logits[:, -1], cache, make_cache, draft)
         if after_prefill is not None:
             after_prefill(cache)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -194,6 +199,22 @@ def run_once(
         kv_slots=layer_slots(cache),
         peak_memory_bytes=peak.bytes,
     )
+
+
+def _drafted_cache(model: Any, ids: torch.Tensor, first: torch.Tensor, cache: Any, make_cache: Callable[[], Any], draft: int) -> Any:
+    """`draft` greedy tokens through `cache`, then a fresh cache holding the prompt compressed with
+    their attention in its scores (the same passes as `kvtool.scoring.draft`, on an unpadded batch)."""
+    bsz, n = ids.shape
+    tokens = [first.argmax(-1, keepdim=True)]
+    for step in range(draft - 1):
+        position = torch.full((bsz, 1), n + step, device=ids.device)
+        out = model(input_ids=tokens[-1], position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    del cache
+    fresh = make_cache()
+    fresh.set_draft(draft)
+    model(input_ids=torch.cat([ids, *tokens], dim=1), use_cache=True, logits_to_keep=1, **with_cache(model, fresh))
+    return fresh
 
 
 def run_bench(
@@ -226,7 +247,7 @@ def run_bench(
         # Only the kvtool runs use kvtool attention: the other two run the model as it is without kvtool.
         if name == COMPRESSED:
             with attach(model, profile) as handle:
-                return run_once(model, prompt, new_tokens, handle.new_cache)
+                return run_once(model, prompt, new_tokens, handle.new_cache, draft=profile.method.draft)
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)
