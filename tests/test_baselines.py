@@ -226,10 +226,13 @@ def test_method_profile_settings_and_errors(llama):
     looking = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, lookahead=5))
     assert method_profile("kvtool", llama, chosen.budget, looking).method.lookahead == 5
     assert all(method_profile(m, llama, chosen.budget, looking).method.lookahead == 0 for m in ("tova", "h2o", "prefixkv"))
-    drafting = method_profile("kvtool-draft", llama, chosen.budget, looking)
-    assert drafting.method == dataclasses.replace(chosen.method, draft=8) and drafting.layers == chosen.layers
+    # A profile's draft runs with the recipe (prompt-only included); kvtool-no-draft and the lookahead drop it.
     drafted = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, draft=4))
     assert method_profile("kvtool", llama, chosen.budget, drafted).method.draft == 4
+    assert method_profile("kvtool-prompt-only", llama, chosen.budget, drafted).method.draft == 4
+    plain = method_profile("kvtool-no-draft", llama, chosen.budget, drafted)
+    assert plain.method == chosen.method and plain.layers == chosen.layers
+    assert method_profile("kvtool-lookahead", llama, chosen.budget, drafted).method == ahead.method
     assert all(method_profile(m, llama, chosen.budget, drafted).method.draft == 0 for m in ("tova", "h2o", "prefixkv", "snapkv"))
     # prefixkv stays the papers' recipe whatever calibration chose: shared attention-sum, fixed-point.
     papers = method_profile("prefixkv", llama, chosen.budget, chosen).method

@@ -247,7 +247,7 @@ def run_bench(
         # Only the kvtool runs use kvtool attention: the other two run the model as it is without kvtool.
         if name == COMPRESSED:
             with attach(model, profile) as handle:
-                return run_once(model, prompt, new_tokens, handle.new_cache, draft=profile.method.draft)
+                return run_once(model, prompt, new_tokens, handle.new_cache, draft=min(profile.method.draft, new_tokens))
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)

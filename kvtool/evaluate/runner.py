@@ -208,9 +208,10 @@ class _Evaluation:
     def method_pass(self, profile: Profile, method: str, budget: float, targets: list[_BatchTargets], tick: Callable[[], None]) -> MethodResult:
         nll, kept, peak, full = NllTotal(), 0, 0, 0
         per_prompt = _PerPrompt(len(self.records))
+        draft = min(profile.method.draft, self.config.max_new_tokens)  # as generate: no longer than the answer
         with attach(self.model, profile) as handle:
             for target in targets:
-                cache, first = draft_prompt_forward(self.model, target.batch, handle.new_cache, profile.method.draft)
+                cache, first = draft_prompt_forward(self.model, target.batch, handle.new_cache, draft)
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)
                 scored = _scored_from(target.references.scored, self.config.score_from)
@@ -231,7 +232,7 @@ class _Evaluation:
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
             kv_peak_fraction=peak / full if full else math.nan, lookahead=profile.method.lookahead,
-            lookahead_hold=profile.method.lookahead_hold, draft=profile.method.draft,
+            lookahead_hold=profile.method.lookahead_hold, draft=draft,
             per_prompt=per_prompt.scores(),
         )
 

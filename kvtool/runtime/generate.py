@@ -130,7 +130,8 @@ def generate(
     with torch.inference_mode():
         started = time.perf_counter()
         if draft and max_new_tokens > 1:
-            cache, inputs = _drafted_cache(model, inputs, cache_factory, draft, sampling)
+            # A draft longer than the answer would score tokens nobody reads.
+            cache, inputs = _drafted_cache(model, inputs, cache_factory, min(draft, max_new_tokens), sampling)
             max_new_tokens -= 1  # the draft's first token is the output's first
             clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding
         else:

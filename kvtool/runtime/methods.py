@@ -36,7 +36,8 @@ class Method:
     # profile's (None: the profile's own).
     lookahead: int | None = None
     lookahead_hold: float = 0.0  # with `lookahead`: what is held meanwhile (MethodSettings.lookahead_hold)
-    # Recipe methods: tokens drafted through the compressed cache to score the prompt again (None: the profile's own).
+    # Recipe methods: tokens drafted through the compressed cache to score the prompt again, in place
+    # of the profile's (None: the profile's own).
     draft: int | None = None
 
 
@@ -48,9 +49,6 @@ DEFAULT_METHOD = "kvtool"
 # peak of 39% instead of 95%; needles 0.708 vs 0.208 (README, "Lookahead").
 LOOKAHEAD_TOKENS = 8
 LOOKAHEAD_HOLD = 2.0
-# `kvtool-draft`: the same 8 tokens' signal at the budget: drafted through the compressed cache,
-# then the prompt is scored again with them appended and the draft is dropped.
-DRAFT_TOKENS = 8
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -73,13 +71,12 @@ METHODS: dict[str, Method] = {
             f"share of the prompt for the first {LOOKAHEAD_TOKENS} new tokens, whose attention joins the prompt's scores, "
             f"then compresses to its share (the KV memory peaks at {LOOKAHEAD_HOLD:g}x the budget, then holds it)",
             True, "importance", None, None, recipe=True, lookahead=LOOKAHEAD_TOKENS, lookahead_hold=LOOKAHEAD_HOLD,
+            draft=0,
         ),
         Method(
-            "kvtool-draft",
-            f"kvtool's calibrated recipe scored twice: {DRAFT_TOKENS} tokens are drafted through the compressed cache, "
-            "the prompt is run again with them appended so their attention joins its scores, and generation "
-            "starts over from the prompt (the budget held throughout; one prompt forward more)",
-            True, "importance", None, None, recipe=True, draft=DRAFT_TOKENS,
+            "kvtool-no-draft",
+            "kvtool's calibrated recipe compressing the prompt once, by the prompt's own attention (no draft)",
+            True, "importance", None, None, recipe=True, draft=0,
         ),
         Method("local", "StreamingLLM: sink tokens plus the most recent ones", False, "recent", "none", "sliding"),
         Method(
@@ -156,7 +153,7 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
             if method.lookahead is not None:
                 rules = dataclasses.replace(rules, lookahead=method.lookahead, lookahead_hold=method.lookahead_hold)
             if method.draft is not None:
-                rules = dataclasses.replace(rules, draft=method.draft, lookahead=0, lookahead_hold=0.0)
+                rules = dataclasses.replace(rules, draft=method.draft)
             return profile if rules == profile.method else dataclasses.replace(profile, method=rules)
         # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
         base_method = calibrated.method
