@@ -201,7 +201,8 @@ def test_lookahead_default_is_the_library_default_and_reaches_the_profile(
     assert inspect.signature(calibrate_command).parameters["lookahead"].default == DEFAULT_LOOKAHEAD
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--lookahead", "3", "--lookahead-hold", "2", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--lookahead", "3", "--lookahead-hold", "2", "--draft", "0",
+                       "--out", str(out))
     assert code == 0, err
     assert (read_profile(out).method.lookahead, read_profile(out).method.lookahead_hold) == (3, 2.0)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
@@ -332,7 +333,7 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
     assert read_profile(out).method.draft == 6 and read_profile(out).method.lookahead == 0
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
     assert code == 0 and "prompt scored again with a 6-token draft" in " ".join(shown.split())
-    for bad, says in ((["--draft", "-2"], "draft must be"), (["--draft", "4", "--lookahead", "2"], "cannot be combined")):
+    for bad, says in ((["--draft", "-2"], "draft must be"), (["--lookahead", "2"], "ask for --draft 0 with a lookahead")):
         code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", *bad,
                            "--out", str(tmp_path / "q.yaml"))
         assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()

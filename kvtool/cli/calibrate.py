@@ -164,7 +164,8 @@ def calibrate_command(
             "--lookahead",
             help="New tokens generated over the whole prompt before each layer compresses: their attention "
             "joins the prompt's scores (what the answer reads). The cache holds the full prompt for those tokens, "
-            "then the budget, so the peak KV memory is the full cache's. 0 (default): compress right after the prompt.",
+            "then the budget, so the peak KV memory is the full cache's. Needs --draft 0. 0 (default): compress right "
+            "after the prompt.",
         ),
     ] = 0,  # kvtool.calibrate.config.DEFAULT_LOOKAHEAD
     lookahead_hold: Annotated[
@@ -180,10 +181,11 @@ def calibrate_command(
         typer.Option(
             "--draft",
             help="Tokens drafted through the compressed cache before the prompt is compressed again with their "
-            "attention in its scores (what the answer reads); the draft is then dropped. The budget holds throughout; "
-            "the cost is one more prompt forward and the draft's steps. 0: none.",
+            "attention in its scores (what the answer reads); the draft is then dropped and generation starts from "
+            "the prompt. The budget holds throughout; the cost is one more prompt forward and the draft's steps "
+            "(never longer than the generation). 0: compress once.",
         ),
-    ] = 0,  # kvtool.calibrate.config.DEFAULT_DRAFT
+    ] = 64,  # kvtool.calibrate.config.DEFAULT_DRAFT
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()

@@ -66,7 +66,9 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def _drafted_cache(model: Any, inputs: Any, cache_factory: Callable[[], Any], draft: int, sampling: dict) -> tuple[Any, dict]:
+def drafted_cache(
+    model: Any, inputs: Any, cache_factory: Callable[[], Any], draft: int, sampling: dict | None = None
+) -> tuple[Any, dict]:
     """A cache whose prompt was compressed with a draft's attention in its scores, and the inputs
     that continue from it: the prompt and the draft's first token.
 
@@ -74,8 +76,11 @@ def _drafted_cache(model: Any, inputs: Any, cache_factory: Callable[[], Any], dr
     the second fills, so one budget is held at a time); the prompt runs again with them appended
     into a fresh cache (`KvtoolCache.set_draft`), which keeps prompt entries only. The draft's first
     token came from the prompt's own last logits, so it is the output's first token as without a draft.
+    `sampling`: generate's decoding arguments for the draft (greedy by default).
     """
-    first_pass = model.generate(**inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **sampling)
+    first_pass = model.generate(
+        **inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **(sampling or {"do_sample": False})
+    )
     width = inputs["input_ids"].shape[1]
     drafted = first_pass[:, width:]
     mask = inputs["attention_mask"]
@@ -109,7 +114,7 @@ def generate(
     `cache_factory` builds the cache to use; by default a plain `DynamicCache` for the model's
     config, created here so its size can be read after generation. `draft` > 0 (a kvtool cache
     factory only): that many tokens are first generated through a compressed cache, and a fresh
-    cache compresses the prompt with their attention in its scores (`_drafted_cache`); generation
+    cache compresses the prompt with their attention in its scores (`drafted_cache`); generation
     then goes on from the draft's first token, which is the prompt's own next token.
     """
     if max_new_tokens < 1:
@@ -131,7 +136,7 @@ def generate(
         started = time.perf_counter()
         if draft and max_new_tokens > 1:
             # A draft longer than the answer would score tokens nobody reads.
-            cache, inputs = _drafted_cache(model, inputs, cache_factory, min(draft, max_new_tokens), sampling)
+            cache, inputs = drafted_cache(model, inputs, cache_factory, min(draft, max_new_tokens), sampling)
             max_new_tokens -= 1  # the draft's first token is the output's first
             clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding
         else:
