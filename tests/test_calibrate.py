@@ -191,6 +191,15 @@ def test_sliding_window_layers_are_left_alone() -> None:
         else:
             assert layer.compress and layer.priority_curve
     assert compressed_ratios(profile).mean() == pytest.approx(0.25, abs=1e-12)
+    # A draft's rows would stay in the sliding-window layers (transformers' own): hybrid models get none.
+    assert profile.method.draft == 0
+
+
+def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -> None:
+    from kvtool.calibrate.config import DEFAULT_DRAFT
+
+    assert DEFAULT_DRAFT > 0
+    assert calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=()).profile.method.draft == DEFAULT_DRAFT
 
 
 def test_long_prompts_are_cut_to_max_prompt_tokens(tiny: LoadedModel) -> None:

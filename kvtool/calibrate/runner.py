@@ -30,6 +30,7 @@ from kvtool.data import Record, load_jsonl, select_by_kind, select_samples, spli
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile
+from kvtool.profiles.fingerprint import FULL_ATTENTION
 from kvtool.scoring import encode_batches
 
 
@@ -136,9 +137,12 @@ def calibrate(
         """Whose Lorenz curves give `settings`' ratios (uniform ratios report attention-sum's)."""
         return scorer_key(settings) if settings.ratios == "scorer" else "attention-sum"
 
+    # A hybrid model's sliding-window layers are transformers' own and would keep the draft's rows.
+    draft = config.draft if all(kind == FULL_ATTENTION for kind in fingerprint.layer_types) else 0
+
     def profile_for(settings: MethodSettings) -> Profile:
         """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead and draft)."""
-        settings = replace(settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=config.draft)
+        settings = replace(settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=draft)
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))

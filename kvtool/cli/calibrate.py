@@ -183,7 +183,7 @@ def calibrate_command(
             help="Tokens drafted through the compressed cache before the prompt is compressed again with their "
             "attention in its scores (what the answer reads); the draft is then dropped and generation starts from "
             "the prompt. The budget holds throughout; the cost is one more prompt forward and the draft's steps "
-            "(never longer than the generation). 0: compress once.",
+            "(never longer than the generation). 0: compress once. Hybrid models (sliding-window layers) get none.",
         ),
     ] = 64,  # kvtool.calibrate.config.DEFAULT_DRAFT
 ) -> None:

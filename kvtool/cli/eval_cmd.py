@@ -60,8 +60,9 @@ def eval_command(
         str,
         typer.Option(
             "--methods",
-            help="Comma-separated: kvtool (the calibrated recipe), kvtool-prompt-only (the same, nothing evicted while "
-            "generating), kvtool-lookahead (the same, compressing after 8 tokens over twice the share), prefixkv (the papers': attention-sum ratios, "
+            help="Comma-separated: kvtool (the calibrated recipe, with its profile's draft), kvtool-no-draft (the same, "
+            "compressing the prompt once), kvtool-prompt-only (the same, nothing evicted while generating), "
+            "kvtool-lookahead (the same, compressing after 8 tokens over twice the share), prefixkv (the papers': attention-sum ratios, "
             "fixed-point), prefixkv-merge, prefixkv-evict, elastic, lookm (LOOK-M: text-prior anchors + "
             "similarity-pivot merging; the prior needs image tokens), h2o, tova, local, snapkv (prompt-only).",
         ),
