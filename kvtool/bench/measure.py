@@ -175,7 +175,11 @@ def run_once(
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
         if draft:
-            cache = _drafted_cache(model, ids, out.logits[:, -1], cache, make_cache, draft)
+            drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft)
+            del cache  # before the second cache fills: one budget at a time, as the runtime holds it
+            cache = make_cache()
+            cache.set_draft(draft)
+            model(input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=1, **with_cache(model, cache))
         if after_prefill is not None:
             after_prefill(cache)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -201,20 +205,16 @@ def run_once(
     )
 
 
-def _drafted_cache(model: Any, ids: torch.Tensor, first: torch.Tensor, cache: Any, make_cache: Callable[[], Any], draft: int) -> Any:
-    """`draft` greedy tokens through `cache`, then a fresh cache holding the prompt compressed with
-    their attention in its scores (the same passes as `kvtool.scoring.draft`, on an unpadded batch)."""
+def _draft_tokens(model: Any, ids: torch.Tensor, first: torch.Tensor, cache: Any, draft: int) -> torch.Tensor:
+    """[B, draft] greedy tokens after the prompt through `cache` (the first pass of
+    `kvtool.scoring.draft`, on an unpadded batch)."""
     bsz, n = ids.shape
     tokens = [first.argmax(-1, keepdim=True)]
     for step in range(draft - 1):
         position = torch.full((bsz, 1), n + step, device=ids.device)
         out = model(input_ids=tokens[-1], position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-    del cache
-    fresh = make_cache()
-    fresh.set_draft(draft)
-    model(input_ids=torch.cat([ids, *tokens], dim=1), use_cache=True, logits_to_keep=1, **with_cache(model, fresh))
-    return fresh
+    return torch.cat(tokens, dim=1)
 
 
 def run_bench(
