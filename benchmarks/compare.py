@@ -46,6 +46,7 @@ class Row:
     lookahead: int = 0  # tokens generated over the prompt before compressing
     lookahead_hold: float = 0.0  # held meanwhile: 0 the whole prompt, c c times each layer's share
     draft: int = 0  # tokens drafted at the budget to score the prompt again
+    draft_rounds: int = 1  # how many times
 
 
 def per_token_nll(result: dict) -> list[float | None] | None:
@@ -100,7 +101,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                     name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
                     r.get("kv_peak_fraction"), r.get("lookahead") or 0, r.get("lookahead_hold") or 0.0,
-                    r.get("draft") or 0,
+                    r.get("draft") or 0, r.get("draft_rounds") or 1,
                 ))
     for path in peers:
         doc = read_json(path)
@@ -134,7 +135,8 @@ def compresses(row: Row) -> str:
         held = f"{row.lookahead_hold:g}x the share" if row.lookahead_hold else "whole prompt"
         return f"prompt + generation ({held} for {row.lookahead} tokens, then budget held)"
     if row.draft:
-        return f"prompt + generation (budget held; prompt scored again with a {row.draft}-token draft)"
+        rounds = f", {row.draft_rounds} rounds" if row.draft_rounds > 1 else ""
+        return f"prompt + generation (budget held; prompt scored again with a {row.draft}-token draft{rounds})"
     return "prompt + generation (budget held)"
 
 

@@ -189,3 +189,27 @@ def test_a_draft_profile_benches_at_the_same_memory(capsys, monkeypatch, tiny_ll
     report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(drafted, tmp_path / "draft.yaml")))
     assert report["compressed"]["kv_slots"] == plain["compressed"]["kv_slots"]
     assert report["compressed"]["kv_bytes"] == plain["compressed"]["kv_bytes"]
+    rounds = dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3, draft_rounds=2))
+    report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(rounds, tmp_path / "rounds.yaml")))
+    assert report["compressed"]["kv_slots"] == plain["compressed"]["kv_slots"]
+
+
+def test_each_draft_round_is_a_prompt_pass_of_the_bench(tiny) -> None:
+    """`run_once` with a draft: one prompt forward, then per round the draft's steps and one prompt
+    forward over prompt + draft, all before the first timed decode step."""
+    import dataclasses
+
+    from kvtool.bench.measure import run_once
+    from kvtool.runtime import attach
+
+    profile = profile_with(tiny.model, [0.2, 0.6])
+    ids = torch.randint(3, tiny.model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    for rounds in (1, 2):
+        widths = []
+        hook = tiny.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+        try:
+            with attach(tiny.model, dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=3))) as handle:
+                run_once(tiny.model, ids, 4, handle.new_cache, draft=3, draft_rounds=rounds)
+        finally:
+            hook.remove()
+        assert widths == [30] + [1, 1, 33] * rounds + [1] * 4

@@ -198,8 +198,15 @@ def test_sliding_window_layers_are_left_alone() -> None:
 def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -> None:
     from kvtool.calibrate.config import DEFAULT_DRAFT
 
-    assert DEFAULT_DRAFT > 0
-    assert calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=()).profile.method.draft == DEFAULT_DRAFT
+    from kvtool.calibrate.config import DEFAULT_DRAFT_ROUNDS
+
+    assert DEFAULT_DRAFT > 0 and DEFAULT_DRAFT_ROUNDS >= 1
+    method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=()).profile.method
+    assert (method.draft, method.draft_rounds) == (DEFAULT_DRAFT, DEFAULT_DRAFT_ROUNDS)
+    method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=0).profile.method
+    assert (method.draft, method.draft_rounds) == (0, 1)  # no draft, no rounds written
+    with pytest.raises(KvtoolError, match="draft rounds must be an integer >= 1"):
+        calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft_rounds=0)
 
 
 def test_long_prompts_are_cut_to_max_prompt_tokens(tiny: LoadedModel) -> None:

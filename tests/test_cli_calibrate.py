@@ -322,18 +322,24 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
 ) -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_DRAFT
+    from kvtool.calibrate.config import DEFAULT_DRAFT, DEFAULT_DRAFT_ROUNDS
     from kvtool.cli.calibrate import calibrate_command
 
     assert inspect.signature(calibrate_command).parameters["draft"].default == DEFAULT_DRAFT
+    assert inspect.signature(calibrate_command).parameters["draft_rounds"].default == DEFAULT_DRAFT_ROUNDS
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "6", "--draft-rounds", "3", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft == 6 and read_profile(out).method.lookahead == 0
+    method = read_profile(out).method
+    assert (method.draft, method.draft_rounds, method.lookahead) == (6, 3, 0)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "prompt scored again with a 6-token draft" in " ".join(shown.split())
-    for bad, says in ((["--draft", "-2"], "draft must be"), (["--lookahead", "2"], "ask for --draft 0 with a lookahead")):
+    assert code == 0 and "prompt scored again with a 6-token draft (3 rounds)" in " ".join(shown.split())
+    for bad, says in (
+        (["--draft", "-2"], "draft must be"),
+        (["--draft-rounds", "0"], "draft rounds must be an integer >= 1"),
+        (["--lookahead", "2"], "ask for --draft 0 with a lookahead"),
+    ):
         code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", *bad,
                            "--out", str(tmp_path / "q.yaml"))
         assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()

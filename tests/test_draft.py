@@ -81,6 +81,30 @@ def test_the_draft_is_the_compressed_caches_own_greedy_tokens(llama, case):
             assert max(max(cols) for head in kept_columns(cache)[index] for cols in head) < batch.input_ids.shape[1]
 
 
+def test_a_later_round_drafts_through_the_cache_the_last_round_scored(llama):
+    """Round two: the draft is the greedy tokens of round one's cache, and that draft scores a fresh
+    prompt forward; round three the same from round two's. The first logits stay the prompt's own."""
+    profile = recipe_profile(llama)
+    batch = left_pad([s.tolist() for s in prompts([44, 29], seed=7)], (0, 1), 0)
+    changed = []
+    with torch.no_grad(), attach(llama, profile):
+        for case in RULES.values():
+            make = lambda: KvtoolCache(llama.config, rules_plans(profile, **case))  # noqa: E731
+            last, first = draft_prompt_forward(llama, batch, make, K, rounds=1)
+            for rounds in (2, 3):
+                cache, again = draft_prompt_forward(llama, batch, make, K, rounds=rounds)
+                assert torch.equal(again, first)
+                by_hand = make()
+                by_hand.set_draft(K)
+                prompt_forward(llama, with_draft(batch, drafted(llama, last, first, batch, K)), by_hand)
+                assert kept_columns(cache) == kept_columns(by_hand)
+                for index, layer in cache.compressing_layers().items():
+                    assert layer.kept.tolist() == by_hand.layers[index].kept.tolist()
+                changed.append(kept_columns(cache) != kept_columns(last))
+                last = cache
+    assert any(changed)  # a later round's draft changes what is kept somewhere
+
+
 def test_no_draft_is_the_plain_prompt_forward(llama):
     profile = recipe_profile(llama)
     plans = rules_plans(profile, **RULES["shared-window-tova"])
@@ -92,8 +116,9 @@ def test_no_draft_is_the_plain_prompt_forward(llama):
         assert kept_columns(cache) == kept_columns(plain)
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
 @pytest.mark.parametrize("case", list(RULES))
-def test_padded_batch_equals_single_runs(llama, case):
+def test_padded_batch_equals_single_runs(llama, case, rounds):
     profile = recipe_profile(llama)
     plans = rules_plans(profile, **RULES[case])
     seqs = [s.tolist() for s in prompts([61, 37, 50], seed=3)]
@@ -101,11 +126,11 @@ def test_padded_batch_equals_single_runs(llama, case):
     make = lambda: KvtoolCache(llama.config, plans)  # noqa: E731
     with torch.no_grad(), attach(llama, profile):
         batch = left_pad(seqs, (0, 1, 2), 0)
-        cache, first = draft_prompt_forward(llama, batch, make, K)
+        cache, first = draft_prompt_forward(llama, batch, make, K, rounds)
         together = forced_logits(llama, cache, first, batch, forced)
         for i, seq in enumerate(seqs):
             alone_batch = left_pad([seq], (i,), 0)
-            alone_cache, alone_first = draft_prompt_forward(llama, alone_batch, make, K)
+            alone_cache, alone_first = draft_prompt_forward(llama, alone_batch, make, K, rounds)
             alone = forced_logits(llama, alone_cache, alone_first, alone_batch, forced[i : i + 1])
             diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(alone, together))
             assert diff < 1e-6, f"sequence {i}"
@@ -138,7 +163,8 @@ def test_hybrid_models_are_refused_in_one_line():
     cache.set_draft(0)  # no draft: nothing to refuse
 
 
-def test_generate_with_a_draft_is_the_two_pass_greedy_text(tiny_llama_dir):
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_generate_with_a_draft_is_the_two_pass_greedy_text(tiny_llama_dir, rounds):
     """`generate(..., draft=k)` (transformers' generate around the second cache) writes what the
     step-by-step two passes write, per row of a padded batch; the cache it ends with holds the budget."""
     from kvtool.models import load_model
@@ -154,12 +180,14 @@ def test_generate_with_a_draft_is_the_two_pass_greedy_text(tiny_llama_dir):
     new = 12
     eos = eos_token_ids(model, tokenizer)
     with attach(model, profile) as handle:
-        result = generate(model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K)
+        result = generate(
+            model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K, draft_rounds=rounds
+        )
         plain = generate(model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache)
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in format_prompts(tokenizer, texts)]
         batch = left_pad(ids, (0, 1), tokenizer.pad_token_id)
         with torch.no_grad():
-            cache, first = draft_prompt_forward(model, batch, handle.new_cache, K)
+            cache, first = draft_prompt_forward(model, batch, handle.new_cache, K, rounds)
             chosen = []
             step_tokens(model, cache, first, batch, new, lambda t, logits: chosen.append(logits.argmax(-1)) or chosen[-1])
     for row, output in enumerate(result.outputs):
@@ -182,5 +210,10 @@ def test_draft_profile_through_the_cli(tiny_llama_dir, tmp_path):
     base = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
     path = save_profile(dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3)), tmp_path / "draft.yaml")
     shown = generate_json(tiny_llama_dir, "--profile", str(path))
-    assert "prompt scored again with a 3-token draft" in shown["cache"]
+    assert "prompt scored again with a 3-token draft" in shown["cache"] and "rounds" not in shown["cache"]
     assert shown["kv_bytes"] < 0.6 * shown["kv_bytes_full"]
+    method = dataclasses.replace(base.method, draft=3, draft_rounds=2)
+    path = save_profile(dataclasses.replace(base, method=method), tmp_path / "rounds.yaml")
+    assert "draft_rounds: 2" in path.read_text()
+    shown = generate_json(tiny_llama_dir, "--profile", str(path))
+    assert "prompt scored again with a 3-token draft (2 rounds)" in shown["cache"]

@@ -322,7 +322,8 @@ def test_kv_peak_counts_the_lookahead(loaded, prompts_file, tmp_path):
 
 def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path):
     """A profile with a draft scores the prompt twice but never holds more than the budget: its
-    peak is its kept share, like the plain profile's; the result says how many tokens it drafted."""
+    peak is its kept share, like the plain profile's; the result says how many tokens it drafted
+    and in how many rounds."""
     from kvtool.profiles import save_profile
     from tiny_models import profile_with
 
@@ -330,6 +331,7 @@ def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path
     results = {}
     for draft in (0, 4):
         profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova", draft=draft,
+                               draft_rounds=2 if draft else 1,
                                sink_tokens=0, recent_window=1)
         path = tmp_path / f"draft{draft}.yaml"
         save_profile(profile, path)
@@ -337,6 +339,7 @@ def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path
         (results[draft],) = evaluate(loaded, data=records, profile=path, config=config).results
     plain, drafted = results[0], results[4]
     assert (plain.draft, drafted.draft) == (0, 4)
+    assert (plain.draft_rounds, drafted.draft_rounds) == (1, 2)
     assert drafted.kv_peak_fraction == pytest.approx(plain.kv_peak_fraction, rel=0.05)
     assert drafted.kv_fraction == pytest.approx(plain.kv_fraction, rel=0.05)
     assert drafted.ppl != plain.ppl  # the draft's rows changed what was kept

@@ -162,10 +162,11 @@ def run_once(
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
     draft: int = 0,
+    draft_rounds: int = 1,
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
     `draft`, the prompt phase also drafts that many tokens and compresses the prompt again with
-    them (`kvtool.scoring.draft` says how): both passes count as the prompt phase."""
+    them, `draft_rounds` times (`kvtool.scoring.draft` says how): every pass counts as the prompt phase."""
     device = ids.device
     release_memory(device)
     bsz, n = ids.shape
@@ -174,9 +175,9 @@ def run_once(
         _sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
-        if draft:
+        for _ in range(draft_rounds if draft else 0):
             drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft)
-            del cache  # before the second cache fills: one budget at a time, as the runtime holds it
+            del cache  # before the next cache fills: one budget at a time, as the runtime holds it
             cache = make_cache()
             cache.set_draft(draft)
             model(input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=1, **with_cache(model, cache))
@@ -247,7 +248,10 @@ def run_bench(
         # Only the kvtool runs use kvtool attention: the other two run the model as it is without kvtool.
         if name == COMPRESSED:
             with attach(model, profile) as handle:
-                return run_once(model, prompt, new_tokens, handle.new_cache, draft=min(profile.method.draft, new_tokens))
+                return run_once(
+                    model, prompt, new_tokens, handle.new_cache,
+                    draft=min(profile.method.draft, new_tokens), draft_rounds=profile.method.draft_rounds,
+                )
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)

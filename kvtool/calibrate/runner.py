@@ -142,7 +142,10 @@ def calibrate(
 
     def profile_for(settings: MethodSettings) -> Profile:
         """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead and draft)."""
-        settings = replace(settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=draft)
+        settings = replace(
+            settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=draft,
+            draft_rounds=config.draft_rounds if draft else 1,
+        )
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))

@@ -186,6 +186,14 @@ def calibrate_command(
             "(never longer than the generation). 0: compress once. Hybrid models (sliding-window layers) get none.",
         ),
     ] = 64,  # kvtool.calibrate.config.DEFAULT_DRAFT
+    draft_rounds: Annotated[
+        int,
+        typer.Option(
+            "--draft-rounds",
+            help="Times the prompt is scored again with a draft, each drafted through the cache the last round "
+            "scored (closer to the answer; one prompt forward and the draft's steps more per round).",
+        ),
+    ] = 2,  # kvtool.calibrate.config.DEFAULT_DRAFT_ROUNDS
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     passive_openmp()
@@ -217,6 +225,7 @@ def calibrate_command(
         lookahead=lookahead,
         lookahead_hold=lookahead_hold,
         draft=draft,
+        draft_rounds=draft_rounds,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )

@@ -117,6 +117,7 @@ def generate_command(
     from kvtool.models import load_model
     from kvtool.models.prompts import check_prompts
     from kvtool.runtime import attach
+    from kvtool.profiles.schema import draft_phrase
     from kvtool.runtime.generate import generate
 
     check_prompts(prompts)  # before the slow model load
@@ -136,7 +137,7 @@ def generate_command(
             held = f"{hold:g}x each layer's share" if hold else "the whole prompt"
             cache_note += f"; lookahead {chosen[0].method.lookahead} tokens ({held} held until then)"
         if chosen[0].method.draft:
-            cache_note += f"; prompt scored again with a {chosen[0].method.draft}-token draft"
+            cache_note += f"; {draft_phrase(chosen[0].method)}"
     try:
         result = generate(
             loaded.model,
@@ -147,6 +148,7 @@ def generate_command(
             seed=seed,
             cache_factory=cache_factory,
             draft=0 if chosen is None else chosen[0].method.draft,
+            draft_rounds=1 if chosen is None else chosen[0].method.draft_rounds,
         )
     finally:
         if handle is not None:

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from kvtool.cli.app import inspect_app
 from kvtool.profiles import Profile, profile_to_dict, read_profile
-from kvtool.profiles.schema import WINDOW_SCORERS, CalibrationInfo, LayerProfile
+from kvtool.profiles.schema import WINDOW_SCORERS, CalibrationInfo, LayerProfile, draft_phrase
 
 _BAR_WIDTH = 20
 # Eighth blocks give the bar sub-character resolution, so 0.20 and 0.22 look different.
@@ -104,7 +104,7 @@ def _method_rows(profile: Profile) -> list[tuple[str, str]]:
             f"generation {s.eviction} · selection {s.selection} · scorer {scorer} · ratios {s.ratios}"
             f" · {s.heads} heads · recent share {s.recent_share:.0%}"
             + (f" · lookahead {s.lookahead} tokens ({_held(s.lookahead_hold)} until then)" if s.lookahead else "")
-            + (f" · prompt scored again with a {s.draft}-token draft" if s.draft else ""),
+            + (f" · {draft_phrase(s)}" if s.draft else ""),
         ),
         (
             "Method",

@@ -61,6 +61,7 @@ class MethodResult:
     lookahead: int = 0  # new tokens the method generated over the prompt before compressing
     lookahead_hold: float = 0.0  # what it held meanwhile: 0 the whole prompt, c c times each layer's share
     draft: int = 0  # tokens drafted at the budget to score the prompt again (MethodSettings.draft)
+    draft_rounds: int = 1  # how many times (MethodSettings.draft_rounds)
 
     @property
     def rouge_l_sem(self) -> float:
@@ -125,7 +126,7 @@ class EvalReport:
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
                     "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "lookahead": r.lookahead,
-                    "lookahead_hold": r.lookahead_hold, "draft": r.draft,
+                    "lookahead_hold": r.lookahead_hold, "draft": r.draft, "draft_rounds": r.draft_rounds,
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,

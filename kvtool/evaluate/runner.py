@@ -211,7 +211,9 @@ class _Evaluation:
         draft = min(profile.method.draft, self.config.max_new_tokens)  # as generate: no longer than the answer
         with attach(self.model, profile) as handle:
             for target in targets:
-                cache, first = draft_prompt_forward(self.model, target.batch, handle.new_cache, draft)
+                cache, first = draft_prompt_forward(
+                    self.model, target.batch, handle.new_cache, draft, profile.method.draft_rounds
+                )
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)
                 scored = _scored_from(target.references.scored, self.config.score_from)
@@ -233,6 +235,7 @@ class _Evaluation:
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
             kv_peak_fraction=peak / full if full else math.nan, lookahead=profile.method.lookahead,
             lookahead_hold=profile.method.lookahead_hold, draft=draft,
+            draft_rounds=profile.method.draft_rounds if draft else 1,
             per_prompt=per_prompt.scores(),
         )
 

@@ -102,6 +102,17 @@ class MethodSettings:
     # scores (observation window and column sums), then they are dropped and generation starts
     # from the prompt's end. The cache never holds more than the budget (one prompt forward more).
     draft: int = field(default=0, metadata=rule(low=0, omit_default=True))
+    # Rounds of the draft: each later round drafts through the cache the previous round scored and
+    # scores the prompt again with that draft (a closer draft; one prompt forward more per round).
+    draft_rounds: int = field(default=1, metadata=rule(low=1, omit_default=True))
+
+
+def draft_phrase(settings: MethodSettings) -> str:
+    """How a recipe's draft reads in reports: "prompt scored again with a 64-token draft (2 rounds)"; "" without."""
+    if not settings.draft:
+        return ""
+    rounds = f" ({settings.draft_rounds} rounds)" if settings.draft_rounds > 1 else ""
+    return f"prompt scored again with a {settings.draft}-token draft{rounds}"
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def drafted_cache(
-    model: Any, inputs: Any, cache_factory: Callable[[], Any], draft: int, sampling: dict | None = None
+    model: Any, inputs: Any, cache_factory: Callable[[], Any], draft: int, sampling: dict | None = None, rounds: int = 1
 ) -> tuple[Any, dict]:
     """A cache whose prompt was compressed with a draft's attention in its scores, and the inputs
     that continue from it: the prompt and the draft's first token.
@@ -76,21 +76,29 @@ def drafted_cache(
     the second fills, so one budget is held at a time); the prompt runs again with them appended
     into a fresh cache (`KvtoolCache.set_draft`), which keeps prompt entries only. The draft's first
     token came from the prompt's own last logits, so it is the output's first token as without a draft.
-    `sampling`: generate's decoding arguments for the draft (greedy by default).
+    `sampling`: generate's decoding arguments for the draft (greedy by default). With `rounds` > 1
+    each later draft continues from the first token through the cache the last round scored.
     """
-    first_pass = model.generate(
-        **inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **(sampling or {"do_sample": False})
-    )
+    sampling = sampling or {"do_sample": False}
     width = inputs["input_ids"].shape[1]
-    drafted = first_pass[:, width:]
     mask = inputs["attention_mask"]
-    longer = torch.cat([mask, mask.new_ones(drafted.shape)], dim=1)
-    cache = cache_factory()
-    cache.set_draft(drafted.shape[1])
-    model(
-        input_ids=first_pass, attention_mask=longer, position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0),
-        use_cache=True, logits_to_keep=1, **with_cache(model, cache),
-    )
+    drafted = model.generate(**inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **sampling)[:, width:]
+    cache = None
+    for round_ in range(rounds):
+        if round_:
+            # The first token is the prompt's own; the rest come through the re-scored cache.
+            resumed = {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": longer[:, : width + 1]}
+            rest = model.generate(**resumed, **with_cache(model, cache), max_new_tokens=draft - 1, **sampling)[:, width + 1 :]
+            drafted = torch.cat([drafted[:, :1], rest], dim=1)
+        del cache  # one budget at a time
+        longer = torch.cat([mask, mask.new_ones(drafted.shape)], dim=1)
+        cache = cache_factory()
+        cache.set_draft(drafted.shape[1])
+        model(
+            input_ids=torch.cat([inputs["input_ids"], drafted], dim=1), attention_mask=longer,
+            position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
+            **with_cache(model, cache),
+        )
     return cache, {
         "input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1),
         "attention_mask": longer[:, : width + 1],
@@ -107,6 +115,7 @@ def generate(
     seed: int | None = None,
     cache_factory: Callable[[], Any] | None = None,
     draft: int = 0,
+    draft_rounds: int = 1,
 ) -> GenerationResult:
     """Generate a continuation for each prompt as one left-padded batch.
 
@@ -115,7 +124,8 @@ def generate(
     config, created here so its size can be read after generation. `draft` > 0 (a kvtool cache
     factory only): that many tokens are first generated through a compressed cache, and a fresh
     cache compresses the prompt with their attention in its scores (`drafted_cache`); generation
-    then goes on from the draft's first token, which is the prompt's own next token.
+    then goes on from the draft's first token, which is the prompt's own next token; `draft_rounds`
+    repeats the draft through each round's cache.
     """
     if max_new_tokens < 1:
         raise KvtoolError("max-new-tokens must be at least 1")
@@ -136,7 +146,7 @@ def generate(
         started = time.perf_counter()
         if draft and max_new_tokens > 1:
             # A draft longer than the answer would score tokens nobody reads.
-            cache, inputs = drafted_cache(model, inputs, cache_factory, min(draft, max_new_tokens), sampling)
+            cache, inputs = drafted_cache(model, inputs, cache_factory, min(draft, max_new_tokens), sampling, draft_rounds)
             max_new_tokens -= 1  # the draft's first token is the output's first
             clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding
         else:

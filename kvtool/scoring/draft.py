@@ -12,7 +12,12 @@ more than the budget while they are generated. A draft gets the same signal at t
 3. generation starts from the prompt's end with the prompt's own last logits, exactly as without a
    draft, so the first token is the full cache's and no drafted token is kept.
 
-The cache holds the budget throughout; the cost is one more prompt forward and `tokens` - 1 steps.
+With `rounds` > 1, steps 1-2 repeat: each later draft comes from the cache the previous round
+scored, which keeps more of what the answer reads, so the draft is closer to the full cache's own
+answer and the next scores closer to what that answer needs.
+
+The cache holds the budget throughout; the cost is one more prompt forward and `tokens` - 1 steps
+per round.
 """
 
 from __future__ import annotations
@@ -60,17 +65,20 @@ def with_draft(batch: Batch, draft: torch.Tensor) -> Batch:
     )
 
 
-def draft_prompt_forward(model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int) -> tuple[Any, torch.Tensor]:
+def draft_prompt_forward(
+    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1
+) -> tuple[Any, torch.Tensor]:
     """The prompt of `batch` in a fresh cache from `make_cache`, compressed with a `tokens`-token
-    draft's attention in its scores; returns the cache and the prompt's last logits [B, V].
-    `tokens` 0 is the plain prompt forward."""
+    draft's attention in its scores (`rounds` times, each draft through the last round's cache);
+    returns the cache and the prompt's last logits [B, V]. `tokens` 0 is the plain prompt forward."""
     cache = make_cache()
     first = prompt_forward(model, batch, cache)
     if tokens <= 0:
         return cache, first
-    draft = drafted(model, cache, first, batch, tokens).cpu()
-    del cache  # the draft's cache goes before the second one fills: one budget at a time
-    cache = make_cache()
-    cache.set_draft(tokens)
-    prompt_forward(model, with_draft(batch, draft), cache)
+    for _ in range(rounds):
+        draft = drafted(model, cache, first, batch, tokens).cpu()
+        del cache  # the draft's cache goes before the next one fills: one budget at a time
+        cache = make_cache()
+        cache.set_draft(tokens)
+        prompt_forward(model, with_draft(batch, draft), cache)
     return cache, first
