@@ -82,12 +82,13 @@ def drafted_cache(
     sampling = sampling or {"do_sample": False}
     width = inputs["input_ids"].shape[1]
     mask = inputs["attention_mask"]
+    one_more = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
     drafted = model.generate(**inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **sampling)[:, width:]
     cache = None
     for round_ in range(rounds):
         if round_:
-            # The first token is the prompt's own; the rest come through the re-scored cache.
-            resumed = {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": longer[:, : width + 1]}
+            # The first token is the prompt's own; the rest come through the cache the last round scored.
+            resumed = {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": one_more}
             rest = model.generate(**resumed, **with_cache(model, cache), max_new_tokens=draft - 1, **sampling)[:, width + 1 :]
             drafted = torch.cat([drafted[:, :1], rest], dim=1)
         del cache  # one budget at a time
@@ -99,10 +100,7 @@ def drafted_cache(
             position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
             **with_cache(model, cache),
         )
-    return cache, {
-        "input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1),
-        "attention_mask": longer[:, : width + 1],
-    }
+    return cache, {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": one_more}
 
 
 def generate(
