@@ -528,7 +528,7 @@ def step_through(model, cache, seqs, steps):
 
 
 @pytest.mark.parametrize("heads", ["shared", "per-head"])
-@pytest.mark.parametrize("rule", ["tova", "prompt-only"])
+@pytest.mark.parametrize("rule", ["tova", "heavy-hitter", "fixed-point", "prompt-only"])
 def test_budget_held_step_by_step(llama, heads, rule):
     seqs = prompts([45, 30], seed=4)
     profile = recipe_profile(llama)
@@ -539,16 +539,21 @@ def test_budget_held_step_by_step(llama, heads, rule):
             for index, layer in cache.compressing_layers().items():
                 assert layer.tokens.tolist() == [45 + step, 30 + step]
                 share = np.ceil(RATIOS[index] * layer.tokens - 1e-9)
-                want = share if rule == "tova" else prompt_keep[index] + step  # prompt-only grows by one per token
+                want = share if rule != "prompt-only" else prompt_keep[index] + step  # prompt-only grows by one per token
                 assert layer.kept.tolist() == want.tolist() == layer.valid.sum(1).tolist()
+                # Packed: each row's entries fill its first `kept` slots (the new token goes to slot
+                # `kept`, an evicted slot takes the row's last entry), whatever the rule.
+                first_slots = torch.arange(layer.valid.shape[1])[None, :] < torch.as_tensor(layer.kept)[:, None]
+                assert layer.packed and torch.equal(layer.valid, first_slots)
                 order = layer.order if heads == "per-head" else layer.order[:, None]
                 for b in range(len(seqs)):
                     first = layer.seen - int(layer.tokens[b])  # left padding: real columns are the last ones
                     for h in range(order.shape[1]):
                         kept = order[b, h][layer.valid[b]].tolist()
                         assert len(set(kept)) == len(kept) and min(kept) >= first  # distinct real entries
-                        assert set(range(first, first + SINK)) <= set(kept)  # sinks never dropped
-                if rule == "tova":
+                        if rule != "heavy-hitter":  # H2O keeps no sinks, only the recent half
+                            assert set(range(first, first + SINK)) <= set(kept)  # sinks never dropped
+                if rule != "prompt-only":
                     assert layer.keys.shape[2] <= int(share.max()) + GROWTH_SLOTS
 
 

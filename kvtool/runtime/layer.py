@@ -132,7 +132,11 @@ class CompressingLayer(DynamicLayer):
         self.prompt_scores: PromptScores | None = None  # everything the prompt pass scored, when recorded
         self.prompt_score: torch.Tensor | None = None  # what selection ranked by ([B, n] / [B, Hkv, n]), when recorded
         self.per_head = False  # each KV head holds its own entries (set when the prompt is compressed)
-        self._new_slot: torch.Tensor | None = None
+        # Each row's valid slots are its first `kept` slots (checked when the prompt is compressed, kept
+        # so by `_place` and `_evict_packed`): the new token's slot and the last entry are then known on
+        # the host, and a step writes plain slices instead of searching the validity mask.
+        self.packed = False
+        self._new_slot: torch.Tensor | np.ndarray | None = None
         # While the plan's lookahead tokens are generated: the prompt's scores grown by theirs, by
         # logical column ([B, n + t], heads and window [B, Hkv, n + t]); None otherwise.
         self._pending: PromptScores | None = None
@@ -376,6 +380,7 @@ class CompressingLayer(DynamicLayer):
         self._prompt_columns = self.seen
         self._prompt_rank = torch.where(kept_valid, frozen_rank, torch.full_like(frozen_rank, -1))
         self.kept = keep
+        self.packed = _is_packed(self.valid, keep)
         self.compressed = True
         self.set_truncation_distance(plan.truncation_distance)
 
@@ -483,17 +488,28 @@ class CompressingLayer(DynamicLayer):
         """Write the new token into each sequence's first free slot, growing the buffer if needed."""
         if int(self.kept.max()) + 1 > self.keys.shape[2]:
             self._grow(GROWTH_SLOTS)
-        slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
-        bsz, heads, _, dim = self.keys.shape
-        self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), key_states)
-        self.values.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), value_states)
-        self.valid.scatter_(1, slot[:, None], True)
-        _write_slot(self.frozen, slot, False)
-        if self.image is not None:
-            _write_slot(self.image, slot, False)
-        _write_slot(self.order, slot, self.seen)
-        if self.score is not None:
-            _write_slot(self.score, slot, 0.0)
+        if self.packed:
+            # The first free slot is the row's count: written at host-known slots, nothing searched.
+            slot = self.kept.copy()
+            at = _slots(slot, self.valid.device)
+            _put(self.keys, at, key_states[:, :, 0])
+            _put(self.values, at, value_states[:, :, 0])
+            _put(self.valid, at, True)
+            for tensor, value in ((self.frozen, False), (self.image, False), (self.order, self.seen), (self.score, 0.0)):
+                if tensor is not None:
+                    _put(tensor, at, value)
+        else:
+            slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
+            bsz, heads, _, dim = self.keys.shape
+            self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), key_states)
+            self.values.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), value_states)
+            self.valid.scatter_(1, slot[:, None], True)
+            _write_slot(self.frozen, slot, False)
+            if self.image is not None:
+                _write_slot(self.image, slot, False)
+            _write_slot(self.order, slot, self.seen)
+            if self.score is not None:
+                _write_slot(self.score, slot, 0.0)
         self.seen += 1
         self.tokens = self.tokens + 1
         self.kept = self.kept + 1
@@ -518,7 +534,8 @@ class CompressingLayer(DynamicLayer):
         real = given[:, 0, -1, -1]
         if bool(real.all()):
             return
-        self.valid.scatter_(1, self._new_slot[:, None], real[:, None])
+        slot = torch.as_tensor(self._new_slot, device=self.valid.device)
+        self.valid.scatter_(1, slot[:, None], real[:, None])
         fake = ~real.cpu().numpy()
         self.tokens = self.tokens - fake
         self.kept = self.kept - fake
@@ -568,6 +585,10 @@ class CompressingLayer(DynamicLayer):
         if not over.any():
             return
         victim = self.plan.evict.victim(self)
+        if self.packed:
+            self._evict_packed(np.flatnonzero(over), victim)
+            self.kept = self.kept - over
+            return
         rows = torch.as_tensor(np.flatnonzero(over), device=self.valid.device)
         if victim.dim() == 2:
             self._drop_per_head(rows, victim)
@@ -617,6 +638,32 @@ class CompressingLayer(DynamicLayer):
         self.attention = None
         self._compress(token_valid, scores, tokens=tokens)
 
+    def _evict_packed(self, rows: np.ndarray, victim: torch.Tensor) -> None:
+        """In each of `rows` the victim slot (`victim` [B], one for every head, or [B, Hkv], one per
+        KV head) takes the entry of the row's last valid slot, which is freed: every head loses exactly
+        its victim, the rows stay packed, and the last slot is known on the host. A victim that is the
+        last slot moves onto itself."""
+        last = self.kept[rows] - 1
+        every_row = len(rows) == len(self.kept)
+        source = _slots(last, self.valid.device, None if every_row else rows)
+        row = torch.as_tensor(rows, device=victim.device)
+        target = victim if every_row else victim[row]
+        if victim.dim() == 2:
+            row = row[:, None]
+            head = torch.arange(victim.shape[1], device=victim.device)[None, :]
+        for name in ("keys", "values", "order", "frozen", "score", "image"):
+            tensor = getattr(self, name)
+            if tensor is None:
+                continue
+            entry = _take(tensor, source)  # read before the write: the victim may be the last slot
+            if victim.dim() == 2:
+                tensor[row, head, target] = entry
+            elif tensor.dim() == 2:
+                tensor[row, target] = entry
+            else:
+                tensor[row, :, target] = entry
+        _put(self.valid, source, False)
+
     def _drop_per_head(self, rows: torch.Tensor, victim: torch.Tensor) -> None:
         """In each of `rows`, every KV head drops its own victim slot (`victim` [B, Hkv]): the row's last
         valid slot moves into it, head by head, and is freed. Victims that are the last slot itself
@@ -639,3 +686,41 @@ def _write_slot(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
         tensor.scatter_(1, slot[:, None], value)
     else:
         tensor.scatter_(2, slot[:, None, None].expand(-1, tensor.shape[1], 1), value)
+
+
+def _is_packed(valid: torch.Tensor, kept: np.ndarray) -> bool:
+    """Whether each row's valid slots are exactly its first `kept[b]` slots."""
+    first = torch.arange(valid.shape[1], device=valid.device)[None, :] < torch.as_tensor(kept, device=valid.device)[:, None]
+    return bool(torch.equal(valid, first))
+
+
+def _slots(slot: np.ndarray, device: torch.device, rows: np.ndarray | None = None) -> int | tuple[torch.Tensor, torch.Tensor]:
+    """One slot per row: an int when every row of the batch (`rows` None) uses the same slot, so
+    reads and writes are plain slices; else (rows, slots) index tensors."""
+    if rows is None and len(slot) and (slot == slot[0]).all():
+        return int(slot[0])
+    row_index = np.arange(len(slot)) if rows is None else rows
+    return torch.as_tensor(row_index, device=device), torch.as_tensor(slot, device=device)
+
+
+def _put(tensor: torch.Tensor, at, value) -> None:
+    """tensor[row, ..., slot] = value for one slot per row ([B, S], [B, Hkv, S] or [B, Hkv, S, D] keys)."""
+    axis = 2 if tensor.dim() == 4 else tensor.dim() - 1
+    if isinstance(at, int):
+        column = tensor.select(axis, at)
+        if isinstance(value, torch.Tensor):
+            column.copy_(value)
+        else:
+            column.fill_(value)
+    elif axis == 1:
+        tensor[at[0], at[1]] = value
+    else:
+        tensor[at[0], :, at[1]] = value
+
+
+def _take(tensor: torch.Tensor, at) -> torch.Tensor:
+    """tensor[row, ..., slot] for one slot per row: [B] or [B, Hkv] (keys: [B, Hkv, D])."""
+    axis = 2 if tensor.dim() == 4 else tensor.dim() - 1
+    if isinstance(at, int):
+        return tensor.select(axis, at).clone()
+    return tensor[at[0], at[1]] if axis == 1 else tensor[at[0], :, at[1]]
