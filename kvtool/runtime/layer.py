@@ -6,8 +6,12 @@ while it stores fewer physical slots, and tracks per sequence which slots are va
 attention function (attention.py) masks by slot validity, so every layer can hold its own length.
 
 Physical slots are unordered: each slot remembers its logical column (`order`), which is all the
-fixed-point queue needs. New tokens fill a free slot (the one the last eviction left), so the
-buffer only grows when the layer's share grows.
+fixed-point queue needs. After compression each row's entries fill its first `kept` slots
+(`packed`): a new token goes to slot `kept`, and an evicted slot takes the row's last entry, which is
+freed. Both slots are known on the host, so a decode step writes plain slices rather than searching
+the validity mask (a few dozen small tensor operations per layer and step were most of kvtool's
+decode overhead), and the buffer only grows when the layer's share grows. Layers whose validity is
+not a prefix (a budget-1.0 layer of a left-padded batch) place new tokens in their first free slot.
 
 Per-head layers (plan `heads="per-head"`) let each KV head keep its own entries, the same number in
 every head, packed into the same slots: keys/values stay [B, Hkv, S, D] and slot validity stays
@@ -15,7 +19,8 @@ shared ([B, S]), so attention needs no new mask and memory shrinks for real. Wha
 (`order`, `frozen`, `score`, `image`, `attention`) is [B, Hkv, S] there. When heads drop different
 entries (tova, heavy-hitter), each head's victim slot takes that head's entry from the row's last
 valid slot, and the last slot is freed: every head loses exactly its victim and the layout stays
-rectangular. Queue rules (fixed-point, sliding) name the same slot in every head, which is freed.
+rectangular. Queue rules (fixed-point, sliding) name the same slot in every head, which takes the
+last entry in every head alike.
 """
 
 from __future__ import annotations
