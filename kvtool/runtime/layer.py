@@ -141,6 +141,7 @@ class CompressingLayer(DynamicLayer):
         # so by `_place` and `_evict_packed`): the new token's slot and the last entry are then known on
         # the host, and a step writes plain slices instead of searching the validity mask.
         self.packed = False
+        self._any_frozen = True  # False once no entry is frozen (rules with no frozen prefix): nothing to move
         self._new_slot: torch.Tensor | np.ndarray | None = None
         # While the plan's lookahead tokens are generated: the prompt's scores grown by theirs, by
         # logical column ([B, n + t], heads and window [B, Hkv, n + t]); None otherwise.
@@ -486,6 +487,8 @@ class CompressingLayer(DynamicLayer):
             # slots, so the frozen prefix is the same slots in every head.
             frozen = frozen[:, None, :].expand(-1, self.keys.shape[1], -1).clone()
         self.frozen = frozen
+        # New tokens are never frozen, so a layer with no frozen entry now never has one.
+        self._any_frozen = bool(frozen.any())
 
     # ----- generation phase --------------------------------------------------------------------
 
@@ -500,7 +503,8 @@ class CompressingLayer(DynamicLayer):
             _put(self.keys, at, key_states[:, :, 0])
             _put(self.values, at, value_states[:, :, 0])
             _put(self.valid, at, True)
-            for tensor, value in ((self.frozen, False), (self.image, False), (self.order, self.seen), (self.score, 0.0)):
+            frozen = self.frozen if self._any_frozen else None
+            for tensor, value in ((frozen, False), (self.image, False), (self.order, self.seen), (self.score, 0.0)):
                 if tensor is not None:
                     _put(tensor, at, value)
         else:
@@ -658,7 +662,7 @@ class CompressingLayer(DynamicLayer):
             head = torch.arange(victim.shape[1], device=victim.device)[None, :]
         for name in ("keys", "values", "order", "frozen", "score", "image"):
             tensor = getattr(self, name)
-            if tensor is None:
+            if tensor is None or (name == "frozen" and not self._any_frozen):
                 continue
             entry = _take(tensor, source)  # read before the write: the victim may be the last slot
             if victim.dim() == 2:
