@@ -387,6 +387,18 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
             alone = [compress_recorded_prompt(handle.cache_for(p), full, batch.attention_mask) for p in profiles]
             parts = [compress_recorded_prompt(handle.cache_for(p), full, batch.attention_mask) for p in profiles]
             grouped = GroupedCache(parts, rows=3)
+            # Merged: the first recipe twice, in blocks that are not adjacent (rows 0-2 and 9-11), share
+            # one layer with a share per row; the other rules (per-head tova, heavy-hitter) stay alone.
+            # A fourth recipe with the first one's rule but other ratios joins that layer too.
+            other_ratios = profile_with(model, [0.45, 0.25, 0.35, 0.3][:layers], truncation_distance=8, merge="position")
+            alone_other = compress_recorded_prompt(handle.cache_for(other_ratios), full, batch.attention_mask)
+            merged_parts = [
+                compress_recorded_prompt(handle.cache_for(p), full, batch.attention_mask) for p in profiles + [other_ratios]
+            ]
+            merged = GroupedCache(merged_parts, rows=3, merge=True)
+            units = merged.layers[next(iter(merged_parts[0].compressing_layers()))].units()
+            assert [type(u.plan).__name__ for u, _ in units] == ["RowShares", "LayerPlan", "LayerPlan"]
+            assert units[0][1].tolist() == [0, 1, 2, 9, 10, 11]
             mask, position = batch.attention_mask, batch.next_positions
             tokens = torch.randint(3, 90, (3, 14), generator=gen)
             for t in range(14):  # past the first evictions
@@ -396,9 +408,16 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
                     **{**step, "input_ids": tokens[:, t : t + 1].repeat(3, 1), "position_ids": position.repeat(3, 1)},
                     attention_mask=mask.repeat(3, 1), **with_cache(model, grouped),
                 ).logits[:, -1]
+                side_by_side = model(
+                    **{**step, "input_ids": tokens[:, t : t + 1].repeat(4, 1), "position_ids": position.repeat(4, 1)},
+                    attention_mask=mask.repeat(4, 1), **with_cache(model, merged),
+                ).logits[:, -1]
                 for i, cache in enumerate(alone):
                     logits = model(**step, attention_mask=mask, **with_cache(model, cache)).logits[:, -1]
                     assert torch.allclose(together[3 * i : 3 * i + 3], logits, atol=1e-10)
+                    assert torch.allclose(side_by_side[3 * i : 3 * i + 3], logits, atol=1e-10)
+                logits = model(**step, attention_mask=mask, **with_cache(model, alone_other)).logits[:, -1]
+                assert torch.allclose(side_by_side[9:], logits, atol=1e-10)
                 position = position + 1
             for cache, part in zip(alone, parts):
                 for index, layer in cache.compressing_layers().items():

@@ -266,7 +266,8 @@ def recipe_ppls(
     The recipes run side by side: one batch holds each prompt batch once per recipe, every block of
     rows decoded through its recipe's own cache (`runtime.grouped`). A decode step of a small model
     on a CPU costs little more for three blocks than for one (reading the weights dominates), so a
-    search stage costs about one recipe's pass, not one per recipe."""
+    search stage costs about one recipe's pass, not one per recipe; recipes that share a generation
+    rule also share each layer's attention and eviction bookkeeping (`GroupedCache(merge=True)`)."""
     totals = [PromptMeanNll() for _ in profiles]
     handle = attach(model, profiles[0])
     try:
@@ -278,7 +279,7 @@ def recipe_ppls(
                     for p in profiles
                 ]
                 times = len(profiles)
-                cache = caches[0] if times == 1 else GroupedCache(caches, rows)
+                cache = caches[0] if times == 1 else GroupedCache(caches, rows, merge=True)
                 nll = teacher_forced_nll(
                     model, cache, state.first_logits.repeat(times, 1), state.batch.repeated(times),
                     state.references.repeated(times), on_step,

@@ -49,10 +49,10 @@ def kvtool_attention_forward(
     if isinstance(layer, GroupedLayer) and layer.compressing:
         # Each block of rows attends to its own cache's slots (grouped.py).
         outputs = [
-            _attend(part, module, query[b], part.keys, part.values, _rows(attention_mask, b), dropout, scaling, kwargs)
-            for part, b in zip(layer.parts, layer.blocks())
+            _attend(unit, module, query[rows], unit.keys, unit.values, _rows(attention_mask, rows), dropout, scaling, kwargs)
+            for unit, rows in layer.units()
         ]
-        return torch.cat([output for output, _ in outputs]), None
+        return layer.assemble([output for output, _ in outputs]), None
     if not isinstance(layer, CompressingLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return _attend(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -107,7 +107,7 @@ def _cache_layer(module: torch.nn.Module, cache):
     return cache.layers[layer_idx]
 
 
-def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+def _rows(mask: torch.Tensor | None, rows: slice | torch.Tensor) -> torch.Tensor | None:
     return None if mask is None else mask[rows]
 
 

@@ -10,27 +10,112 @@ layers see only its rows, attention runs per block on that block's own slots
 Every block must hold the same prompts (same logical length and padding), which is what the
 recipe search hands it. Only decoding is supported: the prompts are put in with
 `calibrate.truncation.compress_recorded_prompt` per block before grouping.
+
+With `merge=True` the blocks whose layers decode alike (the same generation rule, head mode and
+per-entry state; their ratios may differ) are, layer by layer, moved into one layer that holds all
+their rows, each row keeping its own recipe's share (`RowShares`). A decode step then runs one
+attention and one round of eviction bookkeeping per kind of rule instead of one per recipe: a search
+stage varies one rule at a time, so most of its recipes share the generation rule, and the per-block
+bookkeeping (a few dozen small tensor operations per layer) was most of a search step's overhead.
+The merged layer takes the blocks' state over: their own caches are not updated any more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.cache import KvtoolCache
-from kvtool.runtime.layer import CompressingLayer
+from kvtool.runtime.layer import CompressingLayer, LayerPlan
+from kvtool.runtime.selection import kept_count
+
+# Per-entry state a compressed layer carries, and what its free slots hold.
+_ENTRY_STATE = (("valid", False), ("order", 0), ("frozen", False), ("score", 0.0), ("image", False))
+
+
+class RowShares:
+    """A layer plan whose share is per row: the plan of the first merged layer, with each row's own
+    recipe's ratio and floor (everything else a decode step reads is the same for every merged layer)."""
+
+    def __init__(self, plan: LayerPlan, ratios: np.ndarray, floors: np.ndarray):
+        self._plan = plan
+        self.ratios = ratios
+        self.floors = floors
+
+    def __getattr__(self, name: str):
+        return getattr(self._plan, name)
+
+    @property
+    def ratio(self) -> float:
+        return float(self.ratios.max())
+
+    def keep(self, tokens: np.ndarray) -> np.ndarray:
+        return kept_count(self.ratios, tokens, self.floors)
+
+
+def _decodes_alike(layer: DynamicLayer):
+    """What must match for two compressed layers to decode as one (None: the layer cannot merge)."""
+    if not isinstance(layer, CompressingLayer) or not layer.compressed or not layer.compresses:
+        return None
+    if not layer.packed or layer._pending is not None or isinstance(layer.plan, RowShares):
+        return None
+    present = tuple(getattr(layer, name) is None for name, _ in _ENTRY_STATE)
+    return (type(layer.plan.evict), layer.per_head, present, layer.seen, layer.keys.dtype, layer.keys.shape[1], layer.keys.shape[3])
+
+
+def _merged(parts: Sequence[CompressingLayer]) -> CompressingLayer:
+    """One layer holding the rows of `parts` (in order), each row with its own share; slots padded
+    to the widest part's buffer (free slots: validity False)."""
+    first = parts[0]
+    width = max(p.keys.shape[2] for p in parts)
+
+    def stack(name: str, fill) -> torch.Tensor | None:
+        tensors = [getattr(p, name) for p in parts]
+        if tensors[0] is None:
+            return None
+        axis = 2 if name in ("keys", "values") else tensors[0].dim() - 1
+        padded = []
+        for t in tensors:
+            extra = width - t.shape[axis]
+            if extra:
+                shape = list(t.shape)
+                shape[axis] = extra
+                t = torch.cat([t, t.new_full(shape, fill)], dim=axis)
+            padded.append(t)
+        return torch.cat(padded)
+
+    rows = [len(p.kept) for p in parts]
+    shares = RowShares(
+        first.plan,
+        np.repeat([p.plan.ratio for p in parts], rows),
+        np.repeat([p.plan.min_kept for p in parts], rows),
+    )
+    layer = CompressingLayer(first.plan)
+    layer.plan = shares
+    layer.dtype, layer.device, layer.is_initialized = first.keys.dtype, first.keys.device, True
+    layer.keys, layer.values = stack("keys", 0.0), stack("values", 0.0)
+    for name, fill in _ENTRY_STATE:
+        setattr(layer, name, stack(name, fill))
+    layer.seen, layer._prompt_columns = first.seen, first._prompt_columns
+    layer.tokens = np.concatenate([p.tokens for p in parts])
+    layer.kept = np.concatenate([p.kept for p in parts])
+    layer.compressed, layer.per_head, layer.packed = True, first.per_head, True
+    layer._any_frozen = any(p._any_frozen for p in parts)
+    return layer
 
 
 class GroupedLayer(DynamicLayer):
-    """One layer index of several caches; part i serves rows [i * rows, (i + 1) * rows)."""
+    """One layer index of several caches; part i serves rows [i * rows, (i + 1) * rows). With
+    `merge`, parts that decode alike are served by one merged layer (`units`)."""
 
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, parts: Sequence[DynamicLayer], rows: int):
+    def __init__(self, parts: Sequence[DynamicLayer], rows: int, merge: bool = False):
         super().__init__()
         self.parts = list(parts)
         self.rows = rows
@@ -39,9 +124,42 @@ class GroupedLayer(DynamicLayer):
         self.compressing = isinstance(self.parts[0], CompressingLayer)
         if any(isinstance(p, CompressingLayer) != self.compressing for p in self.parts):
             raise KvtoolError("grouped caches must compress the same layers")
+        self._units, self._restore = self._group(merge)
 
     def blocks(self) -> list[slice]:
         return [slice(i * self.rows, (i + 1) * self.rows) for i in range(len(self.parts))]
+
+    def _group(self, merge: bool) -> tuple[list[tuple[DynamicLayer, slice | torch.Tensor]], torch.Tensor | None]:
+        """(layer, its rows of the batch) per unit, and the permutation that puts the units'
+        outputs (concatenated) back in batch order (None: they already are)."""
+        blocks = self.blocks()
+        if not (merge and self.compressing and self.is_initialized):
+            return list(zip(self.parts, blocks)), None
+        groups: dict[object, list[int]] = {}
+        for i, part in enumerate(self.parts):
+            key = _decodes_alike(part)
+            groups.setdefault(("alone", i) if key is None else key, []).append(i)
+        units, order = [], []
+        for members in groups.values():
+            layer = self.parts[members[0]] if len(members) == 1 else _merged([self.parts[i] for i in members])
+            rows = [r for i in members for r in range(blocks[i].start, blocks[i].stop)]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            index = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=self.parts[0].keys.device)
+            units.append((layer, index))
+            order += rows
+        if order == list(range(len(order))):
+            return units, None
+        return units, torch.as_tensor(np.argsort(order), device=self.parts[0].keys.device)
+
+    def units(self) -> list[tuple[DynamicLayer, slice | torch.Tensor]]:
+        """The layers that serve the batch, each with its rows (a slice, or an index where merged
+        blocks are not adjacent)."""
+        return self._units
+
+    def assemble(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The units' outputs (in `units` order, rows first) as one batch in row order."""
+        out = torch.cat(list(outputs))
+        return out if self._restore is None else out.index_select(0, self._restore)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -50,9 +168,9 @@ class GroupedLayer(DynamicLayer):
             raise KvtoolError(
                 f"a grouped cache of {len(self.parts)} x {self.rows} rows was fed a batch of {key_states.shape[0]}"
             )
-        states = [part.update(key_states[b], value_states[b], *args, **kwargs) for part, b in zip(self.parts, self.blocks())]
+        states = [layer.update(key_states[rows], value_states[rows], *args, **kwargs) for layer, rows in self._units]
         if self.compressing:
-            # kvtool attention reads each block's own slots (their counts differ between blocks).
+            # kvtool attention reads each unit's own slots (their counts differ between units).
             return key_states, value_states
         # Layers kvtool leaves alone hold the same columns in every block: one tensor serves sdpa.
         return torch.cat([k for k, _ in states]), torch.cat([v for _, v in states])
@@ -61,24 +179,27 @@ class GroupedLayer(DynamicLayer):
         raise KvtoolError("a grouped cache only decodes: put each block's prompt in before grouping")
 
     def get_seq_length(self) -> int:
-        return self.parts[0].get_seq_length()
+        return self._units[0][0].get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.parts[0].get_mask_sizes(query_length)
+        return self._units[0][0].get_mask_sizes(query_length)
 
     def get_max_length(self) -> int:
-        return self.parts[0].get_max_length()
+        return self._units[0][0].get_max_length()
 
 
 class GroupedCache(Cache):
     """`caches` (kvtool caches, each holding the same prompts of `rows` rows) as one batch of
-    len(caches) * rows rows, cache i serving the i-th block."""
+    len(caches) * rows rows, cache i serving the i-th block; with `merge`, blocks that decode alike
+    share one layer per layer index (and their caches are no longer updated)."""
 
-    def __init__(self, caches: Sequence[KvtoolCache], rows: int):
+    def __init__(self, caches: Sequence[KvtoolCache], rows: int, merge: bool = False):
         if not caches:
             raise KvtoolError("a grouped cache needs at least one cache")
         if len({len(c.layers) for c in caches}) != 1:
             raise KvtoolError("grouped caches must have the same layers")
-        super().__init__(layers=[GroupedLayer([c.layers[i] for c in caches], rows) for i in range(len(caches[0].layers))])
+        super().__init__(
+            layers=[GroupedLayer([c.layers[i] for c in caches], rows, merge) for i in range(len(caches[0].layers))]
+        )
         self.caches = list(caches)
         self.rows = rows
