@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
+from kvtool.cli.openmp import choose_openmp_wait
 from kvtool.errors import KvtoolError
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
@@ -50,16 +51,6 @@ class StageBars:
     def __exit__(self, *exc: object) -> None:
         if self._started:
             self._progress.stop()
-
-
-def passive_openmp() -> None:
-    """Let idle OpenMP threads sleep instead of spinning; must run before torch is imported.
-
-    Calibration runs hundreds of one-token forwards whose matmuls are tiny. With spinning threads,
-    a CPU shared with any other busy process turns each barrier into a wait for a descheduled
-    thread: on a 2-core machine that made per-token steps 10-20x slower. An explicit setting wins.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # SearchSpace fields `--space` may set, and how each value is read. D candidates and merge modes
@@ -196,7 +187,7 @@ def calibrate_command(
     ] = 2,  # kvtool.calibrate.config.DEFAULT_DRAFT_ROUNDS
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
-    passive_openmp()
+    choose_openmp_wait()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.profiles.budget import check_budget
     from kvtool.calibrate.config import DEFAULT_MERGE_MODES, CalibrateConfig

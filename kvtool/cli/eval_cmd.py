@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtool.cli.app import app
-from kvtool.cli.calibrate import StageBars, passive_openmp
+from kvtool.cli.calibrate import StageBars
+from kvtool.cli.openmp import choose_openmp_wait
 from kvtool.errors import KvtoolError
 from kvtool.files import check_writable, write_text_atomic
 
@@ -85,7 +86,7 @@ def eval_command(
     the compressed cache (eviction active), ROUGE-L of the compressed greedy output against the full
     cache's, and the physical KV bytes kept. References are the data's answers, else the full cache's
     greedy output."""
-    passive_openmp()
+    choose_openmp_wait()
     from kvtool.data import load_jsonl
     from kvtool.evaluate import EvalConfig, evaluate
     from kvtool.runtime import load_profile

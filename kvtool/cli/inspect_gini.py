@@ -135,9 +135,10 @@ def inspect_gini(
 
 def _measure(model: str, data: Path | None, samples: int, seed: int, budget: float, max_prompt_tokens: int) -> Profile:
     """Calibrate without writing and without the truncation search (the curves are what is shown)."""
-    from kvtool.cli.calibrate import StageBars, passive_openmp
+    from kvtool.cli.calibrate import StageBars
+    from kvtool.cli.openmp import choose_openmp_wait
 
-    passive_openmp()
+    choose_openmp_wait()
     from kvtool.calibrate.runner import calibrate
 
     with StageBars(Console(stderr=True)) as bars:
