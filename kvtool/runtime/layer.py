@@ -593,17 +593,11 @@ class CompressingLayer(DynamicLayer):
         over = self.kept > self.plan.keep(self.tokens)
         if not over.any():
             return
-        victim = self.plan.evict.victim(self)
-        if self.packed:
-            self._evict_packed(np.flatnonzero(over), victim)
-            self.kept = self.kept - over
-            return
-        rows = torch.as_tensor(np.flatnonzero(over), device=self.valid.device)
-        if victim.dim() == 2:
-            self._drop_per_head(rows, victim)
-        else:
-            # One slot for every head (shared layers; queue rules in per-head layers): just free it.
-            self.valid[rows, victim[rows]] = False
+        if not self.packed:
+            # Selection keeps each row's entries first and placing and evicting keep them so; only
+            # a layer that kept its whole (padded) prompt is not packed, and it is never over its share.
+            raise KvtoolError("internal: a layer over its share holds its entries out of slot order")
+        self._evict_packed(np.flatnonzero(over), self.plan.evict.victim(self))
         self.kept = self.kept - over
 
     def _add_lookahead(self, received: torch.Tensor) -> None:
@@ -672,21 +666,6 @@ class CompressingLayer(DynamicLayer):
             else:
                 tensor[row, :, target] = entry
         _put(self.valid, source, False)
-
-    def _drop_per_head(self, rows: torch.Tensor, victim: torch.Tensor) -> None:
-        """In each of `rows`, every KV head drops its own victim slot (`victim` [B, Hkv]): the row's last
-        valid slot moves into it, head by head, and is freed. Victims that are the last slot itself
-        move onto themselves. One indexed copy per tensor, no loop over heads."""
-        heads = self.keys.shape[1]
-        target = victim[rows]  # [R, Hkv]
-        slots = torch.arange(self.valid.shape[1], device=self.valid.device)
-        last = torch.where(self.valid[rows], slots, -1).amax(dim=1)  # [R]
-        row, head, source = rows[:, None], torch.arange(heads, device=rows.device)[None, :], last[:, None]
-        for name in ("keys", "values", "order", "frozen", "score", "image"):
-            tensor = getattr(self, name)
-            if tensor is not None:
-                tensor[row, head, target] = tensor[row, head, source]
-        self.valid[rows, last] = False
 
 
 def _write_slot(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
