@@ -9,8 +9,7 @@ Physical slots are unordered: each slot remembers its logical column (`order`), 
 fixed-point queue needs. After compression each row's entries fill its first `kept` slots
 (`packed`): a new token goes to slot `kept`, and an evicted slot takes the row's last entry, which is
 freed. Both slots are known on the host, so a decode step writes plain slices rather than searching
-the validity mask (a few dozen small tensor operations per layer and step were most of kvtool's
-decode overhead), and the buffer only grows when the layer's share grows. Layers whose validity is
+the validity mask, and the buffer only grows when the layer's share grows. Layers whose validity is
 not a prefix (a budget-1.0 layer of a left-padded batch) place new tokens in their first free slot.
 
 Per-head layers (plan `heads="per-head"`) let each KV head keep its own entries, the same number in
