@@ -33,9 +33,6 @@ from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
 from kvtool.runtime.selection import kept_count
 
-# Per-entry state a compressed layer carries, and what its free slots hold.
-_ENTRY_STATE = (("valid", False), ("order", 0), ("frozen", False), ("score", 0.0), ("image", False))
-
 
 class RowShares:
     """A layer plan whose share is per row: the plan of the first merged layer, with each row's own
@@ -59,53 +56,20 @@ class RowShares:
 
 def _decodes_alike(layer: DynamicLayer):
     """What must match for two compressed layers to decode as one (None: the layer cannot merge)."""
-    if not isinstance(layer, CompressingLayer) or not layer.compressed or not layer.compresses:
+    if not isinstance(layer, CompressingLayer) or isinstance(layer.plan, RowShares):
         return None
-    if not layer.packed or layer._pending is not None or isinstance(layer.plan, RowShares):
-        return None
-    present = tuple(getattr(layer, name) is None for name, _ in _ENTRY_STATE)
-    return (type(layer.plan.evict), layer.per_head, present, layer.seen, layer.keys.dtype, layer.keys.shape[1], layer.keys.shape[3])
+    return layer.decode_kind
 
 
 def _merged(parts: Sequence[CompressingLayer]) -> CompressingLayer:
-    """One layer holding the rows of `parts` (in order), each row with its own share; slots padded
-    to the widest part's buffer (free slots: validity False)."""
-    first = parts[0]
-    width = max(p.keys.shape[2] for p in parts)
-
-    def stack(name: str, fill) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
-        if tensors[0] is None:
-            return None
-        axis = 2 if name in ("keys", "values") else tensors[0].dim() - 1
-        padded = []
-        for t in tensors:
-            extra = width - t.shape[axis]
-            if extra:
-                shape = list(t.shape)
-                shape[axis] = extra
-                t = torch.cat([t, t.new_full(shape, fill)], dim=axis)
-            padded.append(t)
-        return torch.cat(padded)
-
+    """One layer holding the rows of `parts` (in order), each row with its own recipe's share."""
     rows = [len(p.kept) for p in parts]
     shares = RowShares(
-        first.plan,
+        parts[0].plan,
         np.repeat([p.plan.ratio for p in parts], rows),
         np.repeat([p.plan.min_kept for p in parts], rows),
     )
-    layer = CompressingLayer(first.plan)
-    layer.plan = shares
-    layer.dtype, layer.device, layer.is_initialized = first.keys.dtype, first.keys.device, True
-    layer.keys, layer.values = stack("keys", 0.0), stack("values", 0.0)
-    for name, fill in _ENTRY_STATE:
-        setattr(layer, name, stack(name, fill))
-    layer.seen, layer._prompt_columns = first.seen, first._prompt_columns
-    layer.tokens = np.concatenate([p.tokens for p in parts])
-    layer.kept = np.concatenate([p.kept for p in parts])
-    layer.compressed, layer.per_head, layer.packed = True, first.per_head, True
-    layer._any_frozen = any(p._any_frozen for p in parts)
-    return layer
+    return CompressingLayer.stacked(parts, shares)
 
 
 class GroupedLayer(DynamicLayer):

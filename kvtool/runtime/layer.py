@@ -40,6 +40,9 @@ from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
 # Slots added when a layer's share outgrows its buffer: the stated floor above the budget.
 GROWTH_SLOTS = 16
 
+# Per-entry state a compressed layer carries beside keys and values, and what its free slots hold.
+ENTRY_STATE = (("valid", False), ("order", 0), ("frozen", False), ("score", 0.0), ("image", False))
+
 # "shared": one set of entries for all KV heads of a layer; "per-head": each KV head its own.
 HEAD_MODES = ("shared", "per-head")
 
@@ -206,6 +209,53 @@ class CompressingLayer(DynamicLayer):
         if self._pending is not None:
             self._pending = PromptScores(*(None if t is None else fn(t) for t in (self._pending.importance, self._pending.heads, self._pending.window)))
         self.tokens, self.kept = self.tokens[host_index], self.kept[host_index]
+
+    # ----- several layers' rows as one (calibration's side-by-side recipes, runtime.grouped) -----
+
+    @property
+    def decode_kind(self) -> tuple | None:
+        """What two compressed layers must share to decode as one layer with a share per row (their
+        generation rule, head mode, per-entry state, length and shapes); None for a layer that
+        cannot join one (not compressed and packed, or in its lookahead)."""
+        if not (self.compressed and self.compresses and self.packed and self._pending is None):
+            return None
+        present = tuple(getattr(self, name) is None for name, _ in ENTRY_STATE)
+        keys = self.keys
+        return (type(self.plan.evict), self.per_head, present, self.seen, keys.dtype, keys.shape[1], keys.shape[3])
+
+    @classmethod
+    def stacked(cls, parts: "list[CompressingLayer]", plan: object) -> "CompressingLayer":
+        """One layer holding the rows of `parts` (same `decode_kind`), in order, under `plan` (which
+        gives each row its share); slots padded to the widest part's buffer (free: validity False)."""
+        first = parts[0]
+        width = max(p.keys.shape[2] for p in parts)
+
+        def stack(name: str, fill) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in parts]
+            if tensors[0] is None:
+                return None
+            axis = 2 if name in ("keys", "values") else tensors[0].dim() - 1
+            padded = []
+            for t in tensors:
+                if t.shape[axis] < width:
+                    shape = list(t.shape)
+                    shape[axis] = width - t.shape[axis]
+                    t = torch.cat([t, t.new_full(shape, fill)], dim=axis)
+                padded.append(t)
+            return torch.cat(padded)
+
+        layer = cls(first.plan)
+        layer.plan = plan
+        layer.dtype, layer.device, layer.is_initialized = first.keys.dtype, first.keys.device, True
+        layer.keys, layer.values = stack("keys", 0.0), stack("values", 0.0)
+        for name, fill in ENTRY_STATE:
+            setattr(layer, name, stack(name, fill))
+        layer.seen, layer._prompt_columns = first.seen, first._prompt_columns
+        layer.tokens = np.concatenate([p.tokens for p in parts])
+        layer.kept = np.concatenate([p.kept for p in parts])
+        layer.compressed, layer.per_head, layer.packed = True, first.per_head, True
+        layer._any_frozen = any(p._any_frozen for p in parts)
+        return layer
 
     # ----- memory accounting -------------------------------------------------------------------
 
