@@ -4,7 +4,10 @@
 # command's default is 10 so that a user's calibration stays under 3 minutes on a 2-core CPU; the
 # shipped profiles are built once, and on the 30 calibration prompts neither draw uses, the
 # 20-prompt profiles measured lower PPL than the 10-prompt ones (README, "How firm the choice
-# is"). `kvtool generate MODEL --budget B` picks these up by name: <model alias>-b<budget>.yaml.
+# is"). With --draft-stage: the search's pick and the recipes one generation rule or ratio source
+# away are measured again as they run, with the draft, and the best ships if the held-out half agrees
+# (calibrate/drafted.py; minutes more than the search, so not the command's default).
+# `kvtool generate MODEL --budget B` picks these up by name: <model alias>-b<budget>.yaml.
 #
 #   scripts/build_builtin_profiles.sh            # uses .venv/bin/kvtool
 #   KVTOOL=kvtool scripts/build_builtin_profiles.sh
@@ -14,5 +17,5 @@ KVTOOL="${KVTOOL:-.venv/bin/kvtool}"
 OUT=kvtool/profiles/builtin
 
 for budget in 0.2 0.5; do
-    "$KVTOOL" calibrate smollm2 --budget "$budget" --samples 20 --out "$OUT/smollm2-b$budget.yaml"
+    "$KVTOOL" calibrate smollm2 --budget "$budget" --samples 20 --draft-stage --out "$OUT/smollm2-b$budget.yaml"
 done

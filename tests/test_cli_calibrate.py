@@ -113,6 +113,30 @@ def test_in_context_answer_references_are_recorded_and_shown(
     assert code == 0 and read_profile(out).calibration.answer_references is None and "answer_references" not in out.read_text()
 
 
+def test_draft_stage_is_shown_and_recorded(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    out = tmp_path / "tmp.yaml"
+    code, stdout, stderr = run(
+        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
+        "--data", str(data_file), "--out", str(out), "--draft", "4", "--draft-stage",
+        "--space", "recent_shares=0", "--space", "pools=3",
+    )
+    assert code == 0, stderr
+    assert "Draft stage" in stdout and "PPL with the draft on" in stdout and "draft stage" in stderr
+    drafted = [t for t in read_profile(out).calibration.recipes if t.drafted_ppl is not None]
+    assert len(drafted) >= 2  # the pick and at least one other rule or ratio source
+    code, shown, stderr = run(monkeypatch, capsys, "inspect", "profile", str(out))
+    assert code == 0 and "with draft" in shown, stderr
+    # Without a draft there is nothing to measure it with: one line, no file.
+    out.unlink()
+    code, _, stderr = run(
+        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
+        "--data", str(data_file), "--out", str(out), "--draft", "0", "--draft-stage",
+    )
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and "needs --draft above 0" in stderr and not out.exists()
+
+
 def test_papers_recipe_tunes_only_d_and_merge(
     tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

@@ -129,10 +129,11 @@ def with_calibration(
         seconds=round(seconds, 1),
     )
     if recipes is not None:
+        drafted = recipes.drafted
         info = dataclasses.replace(
             info,
             ppl_full=recipes.ppl_full,
-            ppl_compressed=recipes.search.ppl_of(recipes.picked),
+            ppl_compressed=recipes.search.ppl_of(recipes.shipped),
             fell_back=True if recipes.fell_back else None,
             chosen_on=recipes.chosen_on,
             confirmed_on=recipes.confirmed_on or None,
@@ -147,6 +148,8 @@ def with_calibration(
                     window_share=t.settings.window_share if t.settings.scorer == "union" else None,
                     selection=t.settings.selection,
                     held_out_ppl=recipes.held_out.get(recipe_key(t.settings)),
+                    drafted_ppl=drafted.choosing.get(recipe_key(t.settings)) if drafted else None,
+                    drafted_held_out_ppl=drafted.held_out.get(recipe_key(t.settings)) if drafted else None,
                 )
                 for t in recipes.search.trials
             ),

@@ -83,6 +83,11 @@ class CalibrateConfig:
     # joins the prompt's scores in a second prompt forward (MethodSettings.draft; 0: none).
     draft: int = DEFAULT_DRAFT
     draft_rounds: int = DEFAULT_DRAFT_ROUNDS
+    # After the search, measure its pick and the recipes one generation rule or ratio source away with
+    # the draft, and ship the best if the held-out prompts agree (`calibrate.drafted`). Off by default:
+    # each candidate pays its own prompt forwards and drafts, which takes the default 10-prompt run
+    # past 3 minutes; the built-in profiles are made with it (scripts/build_builtin_profiles.sh).
+    draft_stage: bool = False
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -116,6 +121,10 @@ class CalibrateConfig:
             raise KvtoolError(f"draft must be an integer >= 0, got {self.draft!r}")
         if isinstance(self.draft_rounds, bool) or not isinstance(self.draft_rounds, int) or self.draft_rounds < 1:
             raise KvtoolError(f"draft rounds must be an integer >= 1, got {self.draft_rounds!r}")
+        if self.draft_stage and not self.draft:
+            raise KvtoolError("the draft stage measures recipes with their draft: it needs --draft above 0")
+        if self.draft_stage and self.search is None:
+            raise KvtoolError("the draft stage re-ranks the recipe search's pick: it needs the search")
         if self.draft and self.lookahead:
             raise KvtoolError("a draft and a lookahead cannot be combined: ask for --draft 0 with a lookahead")
         if self.reference_tokens < 1 or self.batch_size < 1:
@@ -134,6 +143,7 @@ class CalibrateConfig:
             lookahead_hold=float(self.lookahead_hold),
             draft=self.draft,
             draft_rounds=self.draft_rounds,
+            draft_stage=bool(self.draft_stage),
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

@@ -26,7 +26,9 @@ from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.scoring import make_scorer
 from kvtool.scoring.answers import score_answers_only
-from kvtool.scoring import Batch, PromptMeanNll, References, prompt_forward, reference_continuations, teacher_forced_nll
+from kvtool.scoring import (
+    Batch, PromptMeanNll, References, draft_prompt_forward, prompt_forward, reference_continuations, teacher_forced_nll,
+)
 
 # Stage names reported to `progress(stage, done, total)`.
 STAGE_IMPORTANCE = "importance"
@@ -286,6 +288,35 @@ def recipe_ppls(
                 )
                 for i, total in enumerate(totals):
                     total.add(nll[i * rows : (i + 1) * rows], state.references.scored)
+    finally:
+        handle.detach()
+    return [total.ppl() for total in totals]
+
+
+def drafted_ppls(
+    model: Any, profiles: Sequence[Profile], states: Sequence[PromptState], on_step: Callable[[int], None] | None = None
+) -> list[float]:
+    """Calibration PPL of each profile as it runs with its draft (`MethodSettings.draft`, `draft_rounds`):
+    each batch's prompt forward again into a fresh cache, drafted and scored again round by round
+    (`scoring.draft_prompt_forward`, as `kvtool eval` and `generate` run it), then the references
+    teacher-forced through the cache the last round left; the same measure as `recipe_ppls`.
+
+    The recorded prompt state cannot stand in here: the draft's rows are new queries whose attention
+    joins the prompt's scores, so every recipe pays its own prompt forwards and drafts, one profile
+    after another (each cache freed before the next fills)."""
+    totals = [PromptMeanNll() for _ in profiles]
+    handle = attach(model, profiles[0])
+    try:
+        with torch.inference_mode():
+            for state in states:
+                for profile, total in zip(profiles, totals):
+                    method = profile.method
+                    cache, first = draft_prompt_forward(
+                        model, state.batch, lambda: handle.cache_for(profile), method.draft, method.draft_rounds
+                    )
+                    nll = teacher_forced_nll(model, cache, first, state.batch, state.references, on_step)
+                    total.add(nll, state.references.scored)
+                    del cache
     finally:
         handle.detach()
     return [total.ppl() for total in totals]

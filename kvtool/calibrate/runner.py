@@ -159,9 +159,10 @@ def calibrate(
     if space is not None:
         split = len([b for b in batches if b.rows[0] < len(choosing)])
         recipes = choose_recipe(
-            loaded.model, method, space, profile_for, measured.states[:split], measured.states[split:], report
+            loaded.model, method, space, profile_for, measured.states[:split], measured.states[split:], report,
+            with_draft=config.draft_stage,
         )
-        profile = profile_for(recipes.picked)
+        profile = profile_for(recipes.shipped)
         truncation = recipes.truncation
     elif config.candidates:
         profile = profile_for(method)

@@ -18,6 +18,7 @@ from kvtool.calibrate.passes import (
     recipe_ppls,
     reference_steps,
 )
+from kvtool.calibrate.drafted import DraftStage, draft_stage
 from kvtool.calibrate.recipes import STAGES, pick_recipe, seed_recipes, RecipeSearch, SearchSpace, recipe_key, search_recipe
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.profiles import MethodSettings, Profile
@@ -35,9 +36,15 @@ class ChosenRecipe:
     chosen_on: int
     confirmed_on: int
     truncation: TruncationResult | None  # the shipped recipe's D trials (fixed-point only)
-    # The recipe the profile runs: the search's choice, or the fallback `pick_recipe` made when the
-    # held-out prompts did not confirm it.
+    # The search's choice, or the fallback `pick_recipe` made when the held-out prompts did not confirm it.
     picked: MethodSettings
+    # The draft stage, when it ran (`calibrate.drafted`): its choice is what the profile runs.
+    drafted: DraftStage | None = None
+
+    @property
+    def shipped(self) -> MethodSettings:
+        """The recipe the profile runs."""
+        return self.drafted.picked if self.drafted is not None else self.picked
 
     @property
     def fell_back(self) -> bool:
@@ -73,8 +80,10 @@ def choose_recipe(
     choosing: Sequence[PromptState],
     confirming: Sequence[PromptState],
     progress: Progress,
+    with_draft: bool = False,
 ) -> ChosenRecipe:
-    """Search on `choosing`, then measure the finalists on `confirming`."""
+    """Search on `choosing`, then measure the finalists on `confirming`; `with_draft`, then the draft
+    stage (`calibrate.drafted`) on both, with the draft `profile_for` writes (only if it writes one)."""
     steps = reference_steps(choosing)
     bar = _Counter(STAGE_RECIPES, MAX_PASSES * steps, progress).start()
 
@@ -99,6 +108,10 @@ def choose_recipe(
     chosen_on = sum(len(s.batch.rows) for s in choosing)
     confirmed_on = sum(len(s.batch.rows) for s in confirming)
     picked = pick_recipe(search, held_out, chosen_on, confirmed_on)
+    drafted = None
+    if with_draft and profile_for(picked).method.draft > 0:
+        drafted = draft_stage(model, picked, search, space, profile_for, choosing, confirming, progress)
+    shipped = drafted.picked if drafted is not None else picked
     return ChosenRecipe(
         search=search,
         held_out=held_out,
@@ -107,8 +120,9 @@ def choose_recipe(
         tokens=full.count,
         chosen_on=chosen_on,
         confirmed_on=confirmed_on,
-        truncation=_truncation(search, picked, full.ppl(), full.count),
+        truncation=_truncation(search, shipped, full.ppl(), full.count),
         picked=picked,
+        drafted=drafted,
     )
 
 

@@ -198,6 +198,16 @@ def calibrate_command(
             "scored (closer to the answer; one prompt forward and the draft's steps more per round).",
         ),
     ] = 2,  # kvtool.calibrate.config.DEFAULT_DRAFT_ROUNDS
+    draft_stage: Annotated[
+        bool,
+        typer.Option(
+            "--draft-stage",
+            help="After the search, measure its pick and the recipes one generation rule or ratio source away "
+            "as they run, with the draft (each its own prompt forwards and drafts), and ship the best if the "
+            "held-out prompts agree. The search itself measures without the draft. Costs minutes more; the "
+            "built-in profiles are made with it.",
+        ),
+    ] = False,
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     choose_openmp_wait()
@@ -230,6 +240,7 @@ def calibrate_command(
         lookahead_hold=lookahead_hold,
         draft=draft,
         draft_rounds=draft_rounds,
+        draft_stage=draft_stage,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )
@@ -303,6 +314,8 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
         )
     else:
         facts.add_row("Recipe", f"{describe(picked)} (lowest PPL on {chosen.chosen_on} prompts)")
+    if chosen.drafted is not None:
+        add_draft_stage_facts(facts, chosen)
     if result.profile.calibration.answer_references == "in-context":
         facts.add_row("Answer rows", "scored where the full cache's continuation writes the answers (in-context)")
     facts.add_row(
@@ -323,6 +336,23 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
         )
 
 
+
+
+def add_draft_stage_facts(facts: Table, chosen) -> None:
+    from kvtool.calibrate.recipes import describe, recipe_key
+
+    stage = chosen.drafted
+    scored = ", ".join(f"{describe(s).split(' · ')[0]} / {s.ratios} ratios {stage.choosing[recipe_key(s)]:.3f}" for s in stage.candidates)
+    if recipe_key(stage.picked) != recipe_key(chosen.picked):
+        verdict = (f"shipped {describe(stage.picked)}: held out {stage.held_out[recipe_key(stage.picked)]:.3f} "
+                   f"vs the search's pick {stage.held_out[recipe_key(chosen.picked)]:.3f}")
+    elif stage.held_out:
+        best = next(k for k in stage.held_out if k != recipe_key(chosen.picked))
+        verdict = (f"kept the search's pick: the held-out prompts did not confirm the best drafted recipe "
+                   f"({stage.held_out[best]:.3f} vs {stage.held_out[recipe_key(chosen.picked)]:.3f})")
+    else:
+        verdict = "kept the search's pick (lowest drafted PPL)"
+    facts.add_row("Draft stage", f"PPL with the draft on {chosen.chosen_on} prompts: {scored}; {verdict}")
 
 
 def truncation_table(truncation: TruncationResult) -> Table:

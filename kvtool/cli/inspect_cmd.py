@@ -146,6 +146,10 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
     return rows
 
 
+def _fmt_or_blank(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
 # --------------------------------------------------------------------------- per-layer table
 
 
@@ -203,6 +207,11 @@ def recipe_table(profile) -> Table:
     # The numbers are the point of the table: narrow terminals wrap the recipe, never these.
     table.add_column("PPL", justify="right", no_wrap=True)
     table.add_column("held out", justify="right", no_wrap=True)
+    drafted = any(t.drafted_ppl is not None for t in info.recipes)
+    if drafted:
+        # The draft stage's measures: the same prompts, each recipe run with the profile's draft.
+        table.add_column("with draft", justify="right", no_wrap=True)
+        table.add_column("held out, draft", justify="right", no_wrap=True)
     method = profile.method
     for t in info.recipes:
         chosen = (t.eviction, t.selection, t.scorer, t.ratios, t.heads, t.merge) == (
@@ -223,6 +232,7 @@ def recipe_table(profile) -> Table:
             t.stage.replace("generation rule", "rule").replace("recent share", "recent"),
             f"{rule} · {scorer} · {t.ratios} · {t.heads} · {recent} · {t.merge}",
             f"{t.ppl:.3f}{' *' if chosen else ''}", "" if t.held_out_ppl is None else f"{t.held_out_ppl:.3f}",
+            *((_fmt_or_blank(t.drafted_ppl), _fmt_or_blank(t.drafted_held_out_ppl)) if drafted else ()),
             style="bold green" if chosen else None,
         )
     return table

@@ -169,6 +169,10 @@ class RecipeTrial:
     selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
     # On the held-out calibration prompts, for the recipes confirmed there; left out otherwise.
     held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+    # Measured with the profile's draft by the draft stage (`kvtool calibrate --draft-stage`), on the
+    # prompts that chose and on the held-out ones; left out for recipes it did not measure.
+    drafted_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+    drafted_held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
 
 
 @dataclass(frozen=True)
