@@ -312,6 +312,11 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
             f"prompts: the held-out prompts rejected the search's choice, {describe(chosen.search.chosen)}; "
             "nothing independent confirms this one)",
         )
+    elif chosen.shipped != picked:
+        facts.add_row(
+            "Recipe",
+            f"{describe(chosen.shipped)} (the draft stage's choice; the search's pick, without the draft: {describe(picked)})",
+        )
     else:
         facts.add_row("Recipe", f"{describe(picked)} (lowest PPL on {chosen.chosen_on} prompts)")
     if chosen.drafted is not None:
