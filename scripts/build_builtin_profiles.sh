@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 KVTOOL="${KVTOOL:-.venv/bin/kvtool}"
 OUT=kvtool/profiles/builtin
 
-for budget in 0.2 0.5; do
-    "$KVTOOL" calibrate smollm2 --budget "$budget" --samples 20 --draft-stage --out "$OUT/smollm2-b$budget.yaml"
-done
+# The 0.2 profile was rebuilt with the draft stage (27 minutes on this machine); the 0.5 one is still
+# the build before it, so this script makes it as it was made. Add --draft-stage to rebuild it too.
+"$KVTOOL" calibrate smollm2 --budget 0.2 --samples 20 --draft-stage --out "$OUT/smollm2-b0.2.yaml"
+"$KVTOOL" calibrate smollm2 --budget 0.5 --samples 20 --out "$OUT/smollm2-b0.5.yaml"
