@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("row", type=int, help="0-based row of the JSONL file")
     parser.add_argument("--profile", required=True)
     parser.add_argument("--force", action="append", default=[], help="layers A-B whose kept entries must hold the answer")
-    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--new-tokens", type=int, default=64, help="also caps the draft, as in generate (default: eval's 64)")
     args = parser.parse_args(argv)
 
     row = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()][args.row]
