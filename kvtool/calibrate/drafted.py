@@ -88,10 +88,9 @@ def draft_stage(
     ppls = drafted_ppls(model, [profile_for(s) for s in candidates], choosing, bar.step)
     bar.finish()
     scored = {recipe_key(s): p for s, p in zip(candidates, ppls)}
-    first = recipe_key(picked)
-    best = min(candidates, key=lambda s: (scored[recipe_key(s)], recipe_key(s) != first))
+    best = pick_drafted(picked, candidates, scored, {})  # with nothing held out: the lowest drafted PPL
     held_out: dict[tuple, float] = {}
-    if confirming and recipe_key(best) != first:
+    if confirming and recipe_key(best) != recipe_key(picked):
         pair = (picked, best)
         confirm = _Counter(STAGE_DRAFT_CONFIRM, reference_steps(confirming) * len(pair), progress).start()
         held_out = dict(zip(map(recipe_key, pair), drafted_ppls(model, [profile_for(s) for s in pair], confirming, confirm.step)))
