@@ -213,3 +213,34 @@ def test_each_draft_round_is_a_prompt_pass_of_the_bench(tiny) -> None:
         finally:
             hook.remove()
         assert widths == [30] + [1, 1, 33] * rounds + [1] * 4
+
+
+def test_a_verified_draft_round_drafts_from_the_last_rounds_prefix(tiny) -> None:
+    """With `draft_verify`, the bench's second draft is the one `kvtool.scoring.draft` drafts: the
+    first round's verified prefix, then greedy through the cache that round scored."""
+    import dataclasses
+
+    from kvtool.bench.measure import run_once
+    from kvtool.runtime import attach
+    from kvtool.scoring import drafted_prompt, left_pad
+    from kvtool.scoring.draft import drafted
+
+    profile = profile_with(tiny.model, [0.2, 0.6])
+    profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=6, draft_rounds=2, draft_verify=True))
+    ids = torch.randint(3, tiny.model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    scored = []
+    hook = tiny.model.register_forward_pre_hook(
+        lambda _, args, kwargs: scored.append(kwargs["input_ids"][:, 30:].clone()) if kwargs["input_ids"].shape[1] == 36 else None,
+        with_kwargs=True,
+    )
+    try:
+        with torch.no_grad(), attach(tiny.model, profile) as handle:
+            run_once(tiny.model, ids, 2, handle.new_cache, draft=6, draft_rounds=2, draft_verify=True)
+    finally:
+        hook.remove()
+    with torch.no_grad(), attach(tiny.model, profile) as handle:
+        batch = left_pad(ids.tolist(), (0, 1), 0)
+        cache, first, prefix = drafted_prompt(tiny.model, batch, handle.new_cache, 6, 1, verify=True)
+        second = drafted(tiny.model, cache, first, batch, 6, prefix)
+    assert len(scored) == 2
+    assert torch.equal(scored[1], second)

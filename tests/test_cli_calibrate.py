@@ -346,19 +346,28 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
 ) -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_DRAFT, DEFAULT_DRAFT_ROUNDS
+    from kvtool.calibrate.config import DEFAULT_DRAFT, DEFAULT_DRAFT_ROUNDS, DEFAULT_DRAFT_VERIFY
     from kvtool.cli.calibrate import calibrate_command
 
     assert inspect.signature(calibrate_command).parameters["draft"].default == DEFAULT_DRAFT
     assert inspect.signature(calibrate_command).parameters["draft_rounds"].default == DEFAULT_DRAFT_ROUNDS
+    assert inspect.signature(calibrate_command).parameters["draft_verify"].default == DEFAULT_DRAFT_VERIFY
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "6", "--draft-rounds", "3", "--out", str(out))
     assert code == 0, err
     method = read_profile(out).method
-    assert (method.draft, method.draft_rounds, method.lookahead) == (6, 3, 0)
+    assert (method.draft, method.draft_rounds, method.draft_verify, method.lookahead) == (6, 3, True, 0)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "prompt scored again with a 6-token draft (3 rounds)" in " ".join(shown.split())
+    assert code == 0 and "prompt scored again with a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
+                       "--data", str(data_file), "--papers", "--draft", "6", "--no-draft-verify", "--out", str(out))
+    assert code == 0, err
+    assert read_profile(out).method.draft_verify is False
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
+                       "--data", str(data_file), "--papers", "--draft", "0", "--out", str(out))
+    assert code == 0, err
+    assert read_profile(out).method.draft_verify is False  # nothing to verify without a draft
     for bad, says in (
         (["--draft", "-2"], "draft must be"),
         (["--draft-rounds", "0"], "draft rounds must be an integer >= 1"),

@@ -67,7 +67,7 @@ def test_drafted_ppl_is_each_prompt_alone_drafted_by_generate(tiny) -> None:
                 real = state.batch.attention_mask[row].bool()
                 ids = state.batch.input_ids[row][real][None]
                 inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-                cache, _ = drafted_cache(
+                cache, _, _ = drafted_cache(
                     tiny.model, inputs, handle.new_cache, 4, {"do_sample": False, "pad_token_id": tiny.tokenizer.pad_token_id}, 2
                 )
                 first = tiny.model(input_ids=ids).logits[:, -1]

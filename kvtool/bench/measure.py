@@ -29,6 +29,7 @@ from kvtool.runtime.attach import layer_plans
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
+from kvtool.runtime.verified import Verified, verified_prefix
 
 # The three caches, in the order each round runs them (keys of the JSON report).
 FULL, COMPRESSED, CEILING = "full", "compressed", "ceiling"
@@ -163,10 +164,12 @@ def run_once(
     after_prefill: Callable[[Any], None] | None = None,
     draft: int = 0,
     draft_rounds: int = 1,
+    draft_verify: bool = False,
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
     `draft`, the prompt phase also drafts that many tokens and compresses the prompt again with
-    them, `draft_rounds` times (`kvtool.scoring.draft` says how): every pass counts as the prompt phase."""
+    them, `draft_rounds` times (`kvtool.scoring.draft` says how; `draft_verify`: each later draft
+    from the last round's verified prefix): every pass counts as the prompt phase."""
     device = ids.device
     release_memory(device)
     bsz, n = ids.shape
@@ -175,12 +178,19 @@ def run_once(
         _sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+        prefix = None
         for _ in range(draft_rounds if draft else 0):
-            drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft)
+            drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft, prefix)
             del cache  # before the next cache fills: one budget at a time, as the runtime holds it
             cache = make_cache()
             cache.set_draft(draft)
-            model(input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+            scored = model(
+                input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=draft if draft_verify else 1,
+                **with_cache(model, cache),
+            )
+            if draft_verify:
+                prefix = verified_prefix(drafted, scored.logits)
+            del scored
         if after_prefill is not None:
             after_prefill(cache)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -206,15 +216,18 @@ def run_once(
     )
 
 
-def _draft_tokens(model: Any, ids: torch.Tensor, first: torch.Tensor, cache: Any, draft: int) -> torch.Tensor:
+def _draft_tokens(
+    model: Any, ids: torch.Tensor, first: torch.Tensor, cache: Any, draft: int, prefix: Verified | None = None
+) -> torch.Tensor:
     """[B, draft] greedy tokens after the prompt through `cache` (the first pass of
-    `kvtool.scoring.draft`, on an unpadded batch)."""
+    `kvtool.scoring.draft`, on an unpadded batch), the tokens of `prefix` first where it has them."""
     bsz, n = ids.shape
-    tokens = [first.argmax(-1, keepdim=True)]
+    pick = (lambda t, logits: logits.argmax(-1)) if prefix is None else prefix.choose  # noqa: E731
+    tokens = [pick(0, first)[:, None]]
     for step in range(draft - 1):
         position = torch.full((bsz, 1), n + step, device=ids.device)
         out = model(input_ids=tokens[-1], position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
-        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        tokens.append(pick(step + 1, out.logits[:, -1])[:, None])
     return torch.cat(tokens, dim=1)
 
 
@@ -251,6 +264,7 @@ def run_bench(
                 return run_once(
                     model, prompt, new_tokens, handle.new_cache,
                     draft=min(profile.method.draft, new_tokens), draft_rounds=profile.method.draft_rounds,
+                    draft_verify=profile.method.draft_verify,
                 )
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))

@@ -144,7 +144,7 @@ def calibrate(
         """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead and draft)."""
         settings = replace(
             settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=draft,
-            draft_rounds=config.draft_rounds if draft else 1,
+            draft_rounds=config.draft_rounds if draft else 1, draft_verify=bool(draft) and config.draft_verify,
         )
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]

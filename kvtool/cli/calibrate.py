@@ -198,6 +198,15 @@ def calibrate_command(
             "scored (closer to the answer; one prompt forward and the draft's steps more per round).",
         ),
     ] = 2,  # kvtool.calibrate.config.DEFAULT_DRAFT_ROUNDS
+    draft_verify: Annotated[
+        bool,
+        typer.Option(
+            "--draft-verify/--no-draft-verify",
+            help="Check each draft against the full-attention logits of the forward that scores it: the agreed "
+            "prefix (and the next token) is the full cache's own greedy answer, so later rounds draft from it and "
+            "the answer starts with it. Costs a few rows of the output projection.",
+        ),
+    ] = True,  # kvtool.calibrate.config.DEFAULT_DRAFT_VERIFY
     draft_stage: Annotated[
         bool,
         typer.Option(
@@ -240,6 +249,7 @@ def calibrate_command(
         lookahead_hold=lookahead_hold,
         draft=draft,
         draft_rounds=draft_rounds,
+        draft_verify=draft_verify,
         draft_stage=draft_stage,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,

@@ -149,6 +149,7 @@ def generate_command(
             cache_factory=cache_factory,
             draft=0 if chosen is None else chosen[0].method.draft,
             draft_rounds=1 if chosen is None else chosen[0].method.draft_rounds,
+            draft_verify=chosen is not None and chosen[0].method.draft_verify,
         )
     finally:
         if handle is not None:

@@ -39,7 +39,7 @@ from kvtool.scoring import (
     Batch,
     NllTotal,
     References,
-    draft_prompt_forward,
+    drafted_prompt,
     encode_batches,
     prompt_forward,
     reference_continuations,
@@ -156,10 +156,12 @@ class _Evaluation:
         self.eos = eos_token_ids(self.model, self.tokenizer)
         self.pad = self.tokenizer.pad_token_id
 
-    def _greedy(self, cache: Any, first_logits: Any, batch: Batch, on_step: Callable[[], None] | None = None) -> References:
+    def _greedy(
+        self, cache: Any, first_logits: Any, batch: Batch, on_step: Callable[[], None] | None = None, prefix: Any = None
+    ) -> References:
         return reference_continuations(
             self.model, cache, first_logits, batch, length=self.config.max_new_tokens,
-            eos_ids=self.eos, pad_id=self.pad, answers=[None] * len(batch.rows), on_step=on_step,
+            eos_ids=self.eos, pad_id=self.pad, answers=[None] * len(batch.rows), on_step=on_step, prefix=prefix,
         )
 
     def _scored_texts(self, greedy: References, rows: tuple[int, ...], into: _PerPrompt) -> list[str]:
@@ -211,8 +213,9 @@ class _Evaluation:
         draft = min(profile.method.draft, self.config.max_new_tokens)  # as generate: no longer than the answer
         with attach(self.model, profile) as handle:
             for target in targets:
-                cache, first = draft_prompt_forward(
-                    self.model, target.batch, handle.new_cache, draft, profile.method.draft_rounds
+                cache, first, prefix = drafted_prompt(
+                    self.model, target.batch, handle.new_cache, draft, profile.method.draft_rounds,
+                    profile.method.draft_verify,
                 )
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)
@@ -221,7 +224,9 @@ class _Evaluation:
                 per_prompt.add_nll(target.batch.rows, forced.nll, scored)
                 per_prompt.add_top1(target.batch.rows, forced.top1 & scored)
                 largest = [kv_bytes(greedy_cache)]
-                greedy = self._greedy(greedy_cache, first, target.batch, on_step=lambda: largest.append(kv_bytes(greedy_cache)))
+                greedy = self._greedy(
+                    greedy_cache, first, target.batch, on_step=lambda: largest.append(kv_bytes(greedy_cache)), prefix=prefix
+                )
                 kept += largest[-1]
                 peak += max(largest)
                 full += kv_bytes_full(greedy_cache)

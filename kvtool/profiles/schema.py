@@ -105,13 +105,19 @@ class MethodSettings:
     # Rounds of the draft: each later round drafts through the cache the previous round scored and
     # scores the prompt again with that draft (a closer draft; one prompt forward more per round).
     draft_rounds: int = field(default=1, metadata=rule(low=1, omit_default=True))
+    # Verified drafts: the prompt's forward with the draft appended also checks the draft against
+    # its own full-attention logits; the agreed prefix (plus the next token) is the full cache's
+    # greedy answer, so later rounds draft from it and the answer starts with it (scoring/draft.py).
+    draft_verify: bool = field(default=False, metadata=rule(omit_default=True))
 
 
 def draft_phrase(settings: MethodSettings) -> str:
     """How a recipe's draft reads in reports: "prompt scored again with a 64-token draft (2 rounds)"; "" without."""
     if not settings.draft:
         return ""
-    rounds = f" ({settings.draft_rounds} rounds)" if settings.draft_rounds > 1 else ""
+    notes = [f"{settings.draft_rounds} rounds"] if settings.draft_rounds > 1 else []
+    notes += ["verified"] if settings.draft_verify else []
+    rounds = f" ({', '.join(notes)})" if notes else ""
     return f"prompt scored again with a {settings.draft}-token draft{rounds}"
 
 

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
 from kvtool.models.loader import eos_token_ids
 from kvtool.models.prompts import format_prompts
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.runtime.verified import ForcedPrefix, Verified, verified_prefix
 
 
 @dataclass(frozen=True)
@@ -67,40 +68,58 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def drafted_cache(
-    model: Any, inputs: Any, cache_factory: Callable[[], Any], draft: int, sampling: dict | None = None, rounds: int = 1
-) -> tuple[Any, dict]:
-    """A cache whose prompt was compressed with a draft's attention in its scores, and the inputs
-    that continue from it: the prompt and the draft's first token.
+    model: Any,
+    inputs: Any,
+    cache_factory: Callable[[], Any],
+    draft: int,
+    sampling: dict | None = None,
+    rounds: int = 1,
+    verify: bool = False,
+) -> tuple[Any, dict, Verified | None]:
+    """A cache whose prompt was compressed with a draft's attention in its scores, the inputs
+    that continue from it (the prompt and the draft's first token), and with `verify` the verified
+    prefix of the last round's draft (else None).
 
     The draft is `draft` tokens generated through a compressed cache of their own (dropped before
     the second fills, so one budget is held at a time); the prompt runs again with them appended
     into a fresh cache (`KvtoolCache.set_draft`), which keeps prompt entries only. The draft's first
     token came from the prompt's own last logits, so it is the output's first token as without a draft.
     `sampling`: generate's decoding arguments for the draft (greedy by default). With `rounds` > 1
-    each later draft continues from the first token through the cache the last round scored.
+    each later draft continues from the first token through the cache the last round scored; with
+    `verify`, from the last round's verified prefix on (`runtime.verified`).
     """
     sampling = sampling or {"do_sample": False}
     width = inputs["input_ids"].shape[1]
     mask = inputs["attention_mask"]
     one_more = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
     drafted = model.generate(**inputs, **with_cache(model, cache_factory()), max_new_tokens=draft, **sampling)[:, width:]
-    cache = None
+    cache = prefix = None
     for round_ in range(rounds):
         if round_:
             # The first token is the prompt's own; the rest come through the cache the last round scored.
             resumed = {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": one_more}
-            rest = model.generate(**resumed, **with_cache(model, cache), max_new_tokens=draft - 1, **sampling)[:, width + 1 :]
+            rest = model.generate(
+                **resumed, **with_cache(model, cache), max_new_tokens=draft - 1, **sampling,
+                **_forced(prefix, width),
+            )[:, width + 1 :]
             drafted = torch.cat([drafted[:, :1], rest], dim=1)
         del cache  # one budget at a time
         longer = torch.cat([mask, mask.new_ones(drafted.shape)], dim=1)
         cache = cache_factory()
         cache.set_draft(drafted.shape[1])
-        model(
+        out = model(
             input_ids=torch.cat([inputs["input_ids"], drafted], dim=1), attention_mask=longer,
-            position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
-            **with_cache(model, cache),
+            position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0), use_cache=True,
+            logits_to_keep=drafted.shape[1] if verify else 1, **with_cache(model, cache),
         )
-    return cache, {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": one_more}
+        if verify:
+            prefix = verified_prefix(drafted, out.logits)
+    return cache, {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": one_more}, prefix
+
+
+def _forced(prefix: Verified | None, width: int) -> dict:
+    """generate's keyword for feeding `prefix` (a prompt of `width` columns, its first token given)."""
+    return {} if prefix is None else {"logits_processor": LogitsProcessorList([ForcedPrefix(prefix, width)])}
 
 
 def generate(
@@ -114,6 +133,7 @@ def generate(
     cache_factory: Callable[[], Any] | None = None,
     draft: int = 0,
     draft_rounds: int = 1,
+    draft_verify: bool = False,
 ) -> GenerationResult:
     """Generate a continuation for each prompt as one left-padded batch.
 
@@ -123,7 +143,8 @@ def generate(
     factory only): that many tokens are first generated through a compressed cache, and a fresh
     cache compresses the prompt with their attention in its scores (`drafted_cache`); generation
     then goes on from the draft's first token, which is the prompt's own next token; `draft_rounds`
-    repeats the draft through each round's cache.
+    repeats the draft through each round's cache; `draft_verify` checks each draft with the full-attention
+    logits of its own forward, and the output starts with the verified prefix (`runtime.verified`).
     """
     if max_new_tokens < 1:
         raise KvtoolError("max-new-tokens must be at least 1")
@@ -144,17 +165,21 @@ def generate(
         started = time.perf_counter()
         if draft and max_new_tokens > 1:
             # A draft longer than the answer would score tokens nobody reads.
-            cache, inputs = drafted_cache(model, inputs, cache_factory, min(draft, max_new_tokens), sampling, draft_rounds)
+            cache, inputs, prefix = drafted_cache(
+                model, inputs, cache_factory, min(draft, max_new_tokens), sampling, draft_rounds, draft_verify
+            )
             max_new_tokens -= 1  # the draft's first token is the output's first
             clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding
         else:
             cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
+            prefix = None
         sequences = model.generate(
             **inputs,
             **with_cache(model, cache),
             max_new_tokens=max_new_tokens,
             stopping_criteria=StoppingCriteriaList([clock]),
             **sampling,
+            **_forced(prefix, prompt_width),
         )
         finished = time.perf_counter()
 

@@ -3,7 +3,7 @@ forward (recording importance through a kvtool cache), reference continuations a
 NLL through a full or compressed cache, all on one token-stepping loop."""
 
 from kvtool.scoring.batches import Batch, encode_batches, left_pad, make_batches, model_positions
-from kvtool.scoring.draft import draft_prompt_forward
+from kvtool.scoring.draft import Verified, draft_prompt_forward, drafted_prompt
 from kvtool.scoring.encoding import Encoded, encode_answers, encode_prompt, encode_samples
 from kvtool.scoring.engine import (
     Forced,
@@ -26,7 +26,9 @@ __all__ = [
     "PromptMeanNll",
     "References",
     "StepHook",
+    "Verified",
     "draft_prompt_forward",
+    "drafted_prompt",
     "encode_answers",
     "encode_batches",
     "encode_prompt",

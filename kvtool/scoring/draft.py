@@ -18,6 +18,18 @@ answer and the next scores closer to what that answer needs.
 
 The cache holds the budget throughout; the cost is one more prompt forward and `tokens` - 1 steps
 per round.
+
+**Verified drafts** (`verify`). The second forward of step 2 runs the draft rows with full attention
+over the whole prompt and over each other: its logits at the draft's positions are the full cache's
+own predictions after each prefix of the draft, and they come with that forward at the price of a
+few rows of the output projection. So the draft is checked there as speculative decoding checks
+one: the longest prefix of the draft the full-attention logits agree with, plus their own next token
+after it, are the full cache's greedy tokens (`Verified`). A later round drafts from that prefix on
+(its tokens fed, the rest greedy through the cache), so each round's draft agrees with the full
+cache's answer for at least one more token than the last; the answer itself then starts with the
+verified prefix and goes on through the compressed cache (`reference_continuations(prefix=...)`,
+`runtime.generate.ForcedPrefix`). Nothing is held beyond the budget: the check reads logits the
+prompt forward computes anyway.
 """
 
 from __future__ import annotations
@@ -28,16 +40,20 @@ from typing import Any
 
 import torch
 
+from kvtool.runtime.verified import Verified, verified_prefix
 from kvtool.scoring.batches import Batch
-from kvtool.scoring.engine import prompt_forward, step_tokens
+from kvtool.scoring.engine import prompt_forward, prompt_logits, step_tokens
 
 
-def drafted(model: Any, cache: Any, first_logits: torch.Tensor, batch: Batch, tokens: int) -> torch.Tensor:
-    """[B, tokens] greedy tokens after the prompt through `cache` (which holds the prompt)."""
+def drafted(
+    model: Any, cache: Any, first_logits: torch.Tensor, batch: Batch, tokens: int, prefix: Verified | None = None
+) -> torch.Tensor:
+    """[B, tokens] greedy tokens after the prompt through `cache` (which holds the prompt); with a
+    `prefix`, its verified tokens are fed first."""
     chosen: list[torch.Tensor] = []
 
     def pick(t: int, logits: torch.Tensor) -> torch.Tensor:
-        chosen.append(logits.argmax(dim=-1))
+        chosen.append(logits.argmax(dim=-1) if prefix is None else prefix.choose(t, logits))
         return chosen[-1]
 
     step_tokens(model, cache, first_logits, batch, tokens, pick)
@@ -66,19 +82,32 @@ def with_draft(batch: Batch, draft: torch.Tensor) -> Batch:
 
 
 def draft_prompt_forward(
-    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1
+    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1, verify: bool = False
 ) -> tuple[Any, torch.Tensor]:
     """The prompt of `batch` in a fresh cache from `make_cache`, compressed with a `tokens`-token
-    draft's attention in its scores (`rounds` times, each draft through the last round's cache);
-    returns the cache and the prompt's last logits [B, V]. `tokens` 0 is the plain prompt forward."""
+    draft's attention in its scores (`rounds` times, each draft through the last round's cache;
+    `verify`: each from the last round's verified prefix on); returns the cache and the prompt's
+    last logits [B, V]. `tokens` 0 is the plain prompt forward."""
+    cache, first, _ = drafted_prompt(model, batch, make_cache, tokens, rounds, verify)
+    return cache, first
+
+
+def drafted_prompt(
+    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1, verify: bool = False
+) -> tuple[Any, torch.Tensor, Verified | None]:
+    """`draft_prompt_forward`, and with `verify` the last round's verified prefix (else None)."""
     cache = make_cache()
     first = prompt_forward(model, batch, cache)
     if tokens <= 0:
-        return cache, first
+        return cache, first, None
+    prefix = None
     for _ in range(rounds):
-        draft = drafted(model, cache, first, batch, tokens).cpu()
+        draft = drafted(model, cache, first, batch, tokens, prefix).cpu()
         del cache  # the draft's cache goes before the next one fills: one budget at a time
         cache = make_cache()
         cache.set_draft(tokens)
-        prompt_forward(model, with_draft(batch, draft), cache)
-    return cache, first
+        if verify:
+            prefix = verified_prefix(draft, prompt_logits(model, with_draft(batch, draft), cache, tokens))
+        else:
+            prompt_forward(model, with_draft(batch, draft), cache)
+    return cache, first, prefix

@@ -34,24 +34,29 @@ StepAction = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 
 def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
     """The prompt forward of `batch` into `cache`; returns the [B, V] logits of its last position."""
+    return prompt_logits(model, batch, cache, 1)[:, -1]
+
+
+def prompt_logits(model: Any, batch: Batch, cache: Any, keep: int) -> torch.Tensor:
+    """The prompt forward of `batch` into `cache`; returns the logits of its last `keep` positions [B, keep, V]."""
     device = model.device
     # Pixel inputs (vision-language prompts) in the model's dtype; index tensors as they are.
     extras = {
         key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
         for key, value in batch.extras.items()
     }
-    # Only the last position's logits are needed; the full [B, W, vocab] tensor is most of a
-    # small model's prompt cost.
+    # Only the last `keep` positions' logits are needed; the full [B, W, vocab] tensor is most of
+    # a small model's prompt cost.
     out = model(
         input_ids=batch.input_ids.to(device),
         attention_mask=batch.attention_mask.to(device),
         position_ids=batch.position_ids.to(device),
         **with_cache(model, cache),
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=keep,
         **extras,
     )
-    return out.logits[:, -1]
+    return out.logits
 
 
 def step_tokens(
@@ -163,12 +168,14 @@ def reference_continuations(
     pad_id: int,
     answers: Sequence[list[int] | None],
     on_step: StepHook | None = None,
+    prefix: Any = None,
 ) -> References:
     """Greedy continuation (or the given answer) of every row, with its NLL through `cache`.
 
     `cache` holds the prompt and `first_logits` [B, V] the prompt forward's last logits. A row with
     an answer is forced along it (cut to `length`) and ends with it; a row without one follows its
-    argmax until its first EOS or `length` tokens.
+    argmax until its first EOS or `length` tokens, after the tokens of `prefix` (a verified
+    draft's, `scoring.draft.Verified`) where it has them.
     """
     rows = first_logits.shape[0]
     device = first_logits.device
@@ -190,7 +197,8 @@ def reference_continuations(
     def choose_and_score(t: int, logits: torch.Tensor) -> torch.Tensor | None:
         nonlocal finished
         active = ~finished & (~has_answer | (t < answer_len))
-        choice = torch.where(has_answer, forced[:, t].clamp(min=0), logits.argmax(dim=-1))
+        greedy = logits.argmax(dim=-1) if prefix is None else prefix.choose(t, logits)
+        choice = torch.where(has_answer, forced[:, t].clamp(min=0), greedy)
         token = torch.where(active, choice, torch.full_like(choice, pad_id))
         tokens[:, t], scored[:, t] = token, active
         nll[:, t] = torch.where(active, _nll(logits, token), 0.0)
