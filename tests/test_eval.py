@@ -343,3 +343,27 @@ def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path
     assert drafted.kv_peak_fraction == pytest.approx(plain.kv_peak_fraction, rel=0.05)
     assert drafted.kv_fraction == pytest.approx(plain.kv_fraction, rel=0.05)
     assert drafted.ppl != plain.ppl  # the draft's rows changed what was kept
+
+
+def test_a_verified_draft_reports_how_much_of_each_answer_it_wrote(loaded, prompts_file, tmp_path):
+    """With `draft_verify` the result says so and, per prompt, how many of the output's first tokens
+    came from the verified prefix (at least the first, at most the draft); the budget holds as before."""
+    from kvtool.profiles import save_profile
+    from tiny_models import profile_with
+
+    records = load_jsonl(prompts_file)
+    results = {}
+    for verify in (False, True):
+        profile = profile_with(loaded.model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
+                               draft=4, draft_rounds=2, draft_verify=verify, sink_tokens=0, recent_window=1)
+        path = tmp_path / f"verify{verify}.yaml"
+        save_profile(profile, path)
+        config = EvalConfig(methods=("kvtool",), budgets=(profile.budget,), max_new_tokens=8)
+        report = evaluate(loaded, data=records, profile=path, config=config)
+        (results[verify],) = report.results
+        assert report.to_dict()["results"][0]["draft_verify"] is verify
+    plain, verified = results[False], results[True]
+    assert plain.verified_per_prompt == ()
+    assert len(verified.verified_per_prompt) == len(records)
+    assert all(1 <= n <= 4 for n in verified.verified_per_prompt)
+    assert verified.kv_peak_fraction == pytest.approx(plain.kv_peak_fraction, rel=0.05)

@@ -62,6 +62,10 @@ class MethodResult:
     lookahead_hold: float = 0.0  # what it held meanwhile: 0 the whole prompt, c c times each layer's share
     draft: int = 0  # tokens drafted at the budget to score the prompt again (MethodSettings.draft)
     draft_rounds: int = 1  # how many times (MethodSettings.draft_rounds)
+    draft_verify: bool = False  # whether the draft was verified (MethodSettings.draft_verify)
+    # Per prompt, how many of the greedy output's first tokens came from the verified prefix (the
+    # full cache's own greedy tokens, read off the draft's forward); empty without verification.
+    verified_per_prompt: tuple[int, ...] = ()
 
     @property
     def rouge_l_sem(self) -> float:
@@ -127,6 +131,7 @@ class EvalReport:
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
                     "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "lookahead": r.lookahead,
                     "lookahead_hold": r.lookahead_hold, "draft": r.draft, "draft_rounds": r.draft_rounds,
+                    "draft_verify": r.draft_verify, "verified_per_prompt": list(r.verified_per_prompt),
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,

@@ -210,6 +210,7 @@ class _Evaluation:
     def method_pass(self, profile: Profile, method: str, budget: float, targets: list[_BatchTargets], tick: Callable[[], None]) -> MethodResult:
         nll, kept, peak, full = NllTotal(), 0, 0, 0
         per_prompt = _PerPrompt(len(self.records))
+        verified = [0] * len(self.records)
         draft = min(profile.method.draft, self.config.max_new_tokens)  # as generate: no longer than the answer
         with attach(self.model, profile) as handle:
             for target in targets:
@@ -227,6 +228,10 @@ class _Evaluation:
                 greedy = self._greedy(
                     greedy_cache, first, target.batch, on_step=lambda: largest.append(kv_bytes(greedy_cache)), prefix=prefix
                 )
+                if prefix is not None:
+                    written = greedy.scored.sum(dim=1).cpu()
+                    for b, row in enumerate(target.batch.rows):
+                        verified[row] = int(min(prefix.lengths[b], written[b]))
                 kept += largest[-1]
                 peak += max(largest)
                 full += kv_bytes_full(greedy_cache)
@@ -241,6 +246,8 @@ class _Evaluation:
             kv_peak_fraction=peak / full if full else math.nan, lookahead=profile.method.lookahead,
             lookahead_hold=profile.method.lookahead_hold, draft=draft,
             draft_rounds=profile.method.draft_rounds if draft else 1,
+            draft_verify=bool(draft) and profile.method.draft_verify,
+            verified_per_prompt=tuple(verified) if draft and profile.method.draft_verify else (),
             per_prompt=per_prompt.scores(),
         )
 
