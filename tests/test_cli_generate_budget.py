@@ -42,8 +42,9 @@ def test_min_kept_floor_through_the_cli(tiny_llama_dir: Path) -> None:
     whole = generate_json(tiny_llama_dir, "--budget", "0.25", "--min-kept", "1000")
     some = generate_json(tiny_llama_dir, "--budget", "0.25", "--min-kept", "40")
     # A floor above every sequence keeps it whole: the full cache's text (the kvtool cache's bytes
-    # also count its slot bookkeeping and growth slots).
-    assert whole["outputs"] == full["outputs"] and small["outputs"] != full["outputs"]
+    # also count its slot bookkeeping and growth slots). The budget's own text may equal it too: its
+    # verified draft can be the full cache's whole answer when the answer is this short.
+    assert whole["outputs"] == full["outputs"]
     assert "at least 1000 entries per layer" in whole["cache"]
     assert small["kv_bytes"] < some["kv_bytes"] < whole["kv_bytes"]
     done = run_cli("generate", str(tiny_llama_dir), "hi", "--min-kept", "-1")
