@@ -144,7 +144,8 @@ def generate(
     cache compresses the prompt with their attention in its scores (`drafted_cache`); generation
     then goes on from the draft's first token, which is the prompt's own next token; `draft_rounds`
     repeats the draft through each round's cache; `draft_verify` checks each draft with the full-attention
-    logits of its own forward, and the output starts with the verified prefix (`runtime.verified`).
+    logits of its own forward, and the output starts with the verified prefix (`runtime.verified`;
+    greedy only: with a temperature the draft is used unchecked).
     """
     if max_new_tokens < 1:
         raise KvtoolError("max-new-tokens must be at least 1")
@@ -166,7 +167,9 @@ def generate(
         if draft and max_new_tokens > 1:
             # A draft longer than the answer would score tokens nobody reads.
             cache, inputs, prefix = drafted_cache(
-                model, inputs, cache_factory, min(draft, max_new_tokens), sampling, draft_rounds, draft_verify
+                # The verified prefix is the full cache's greedy answer: a sampled answer does not start with it.
+                model, inputs, cache_factory, min(draft, max_new_tokens), sampling, draft_rounds,
+                draft_verify and temperature == 0,
             )
             max_new_tokens -= 1  # the draft's first token is the output's first
             clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding
