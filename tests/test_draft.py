@@ -167,18 +167,11 @@ def test_hybrid_models_are_refused_in_one_line():
 def test_generate_with_a_draft_is_the_two_pass_greedy_text(tiny_llama_dir, rounds):
     """`generate(..., draft=k)` (transformers' generate around the second cache) writes what the
     step-by-step two passes write, per row of a padded batch; the cache it ends with holds the budget."""
-    from kvtool.models import load_model
-    from kvtool.models.loader import eos_token_ids
     from kvtool.models.prompts import format_prompts
     from kvtool.runtime.generate import generate
 
-    loaded = load_model(str(tiny_llama_dir))
-    model, tokenizer = loaded.model, loaded.tokenizer
-    texts = ["alpha beta gamma " * 9 + "delta", "one two three four five six seven eight nine ten " * 3]
-    profile = profile_with(model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
-                           sink_tokens=0, recent_window=1)
+    model, tokenizer, texts, profile, eos = tiny_generate_case(tiny_llama_dir)
     new = 12
-    eos = eos_token_ids(model, tokenizer)
     with attach(model, profile) as handle:
         result = generate(
             model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K, draft_rounds=rounds
@@ -217,3 +210,17 @@ def test_draft_profile_through_the_cli(tiny_llama_dir, tmp_path):
     assert "draft_rounds: 2" in path.read_text()
     shown = generate_json(tiny_llama_dir, "--profile", str(path))
     assert "prompt scored again with a 3-token draft (2 rounds)" in shown["cache"]
+
+
+def tiny_generate_case(tiny_llama_dir):
+    """The tiny Llama with its tokenizer, two prompts, a per-head TOVA profile at 0.3 and the EOS ids:
+    the case the `generate`-with-a-draft tests run."""
+    from kvtool.models import load_model
+    from kvtool.models.loader import eos_token_ids
+
+    loaded = load_model(str(tiny_llama_dir))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    texts = ["alpha beta gamma " * 9 + "delta", "one two three four five six seven eight nine ten " * 3]
+    profile = profile_with(model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
+                           sink_tokens=0, recent_window=1)
+    return model, tokenizer, texts, profile, eos_token_ids(model, tokenizer)

@@ -17,9 +17,9 @@ from kvtool.runtime import KvtoolCache, attach
 from kvtool.runtime.verified import ForcedPrefix, Verified, verified_prefix
 from kvtool.scoring import drafted_prompt, left_pad, prompt_forward, step_tokens
 from kvtool.scoring.draft import drafted
-from test_draft import RULES, kept_columns
+from test_draft import RULES, kept_columns, tiny_generate_case
 from test_runtime_rules import recipe_profile, rules_plans
-from tiny_models import profile_with, prompts, tiny_llama
+from tiny_models import prompts, tiny_llama
 
 K = 8
 
@@ -140,18 +140,11 @@ def test_padded_batch_gives_each_row_its_prefix_alone(llama):
 
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_generate_writes_the_prefix_then_the_compressed_caches_greedy_tokens(tiny_llama_dir, rounds):
-    from kvtool.models import load_model
-    from kvtool.models.loader import eos_token_ids
     from kvtool.models.prompts import format_prompts
     from kvtool.runtime.generate import generate
 
-    loaded = load_model(str(tiny_llama_dir))
-    model, tokenizer = loaded.model, loaded.tokenizer
-    texts = ["alpha beta gamma " * 9 + "delta", "one two three four five six seven eight nine ten " * 3]
-    profile = profile_with(model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
-                           sink_tokens=0, recent_window=1)
+    model, tokenizer, texts, profile, eos = tiny_generate_case(tiny_llama_dir)
     new = 12
-    eos = eos_token_ids(model, tokenizer)
     with attach(model, profile) as handle:
         result = generate(
             model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K,
