@@ -177,15 +177,19 @@ def test_h2o_victim_is_the_lowest_score_outside_the_recent_half():
     valid = torch.tensor([[True, True, True, True, True, True, False]])
     order = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
     score = torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0]])
-    layer = SimpleNamespace(valid=valid, order=order, score=score, seen=6, tokens=np.array([10]),
-                            plan=SimpleNamespace(ratio=0.5, keep=lambda tokens: kept_count(0.5, tokens)))
+    # The layer sets `share` (its plan's keep for the tokens seen) before it asks for a victim.
+    layer = SimpleNamespace(valid=valid, order=order, score=score, seen=6, share=kept_count(0.5, np.array([10])))
     # share ceil(0.5 * 10) = 5, recent half = 2: columns 4 and 5 are protected, slot 1 is lowest of the rest.
     assert HeavyHitter().victim(layer).tolist() == [1]
     # A floor of 8 entries makes the share 8 and the recent half 4: columns 2-5 protected, and of
     # columns 0 and 1 column 0 (5.0) is now the lower.
-    layer.plan = SimpleNamespace(ratio=0.5, keep=lambda tokens: kept_count(0.5, tokens, 8))
+    layer.share = kept_count(0.5, np.array([10]), 8)
     layer.score = torch.tensor([[5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]])
     assert HeavyHitter().victim(layer).tolist() == [0]
+    # Rows with different bounds (a padded batch): each row protects its own newest columns.
+    two = SimpleNamespace(valid=valid.repeat(2, 1), order=order.repeat(2, 1), seen=6, share=np.array([5, 8]),
+                          score=torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0], [5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]]))
+    assert HeavyHitter().victim(two).tolist() == [1, 0]
 
 
 def test_decode_attention_with_scores_matches_sdpa():

@@ -148,6 +148,29 @@ def test_every_layer_meets_its_ratio_exactly(llama):
         assert kv.valid.sum(dim=1).tolist() == expected.tolist()
 
 
+def test_share_table_equals_the_plans_keep_for_every_token_count():
+    from kvtool.runtime.grouped import RowShares
+    from kvtool.runtime.layer import CompressingLayer, LayerPlan
+    from kvtool.runtime.merge import merge_rule
+
+    plan = LayerPlan(ratio=0.13, merge=merge_rule("none"), sink_tokens=2, recent_window=2, truncation_distance=8, min_kept=5)
+    rows = RowShares(plan, np.array([0.13, 0.5, 0.02]), np.array([5, 0, 3]))
+    for layer_plan in (plan, rows):
+        layer = CompressingLayer(layer_plan)
+        # Rows at different counts, and counts that outgrow the table (it is rebuilt wider).
+        for start in (np.array([0, 7, 40]), np.array([511, 900, 3000])):
+            layer.tokens = start.copy()
+            for _ in range(40):
+                assert layer._share_now().tolist() == layer_plan.keep(layer.tokens).tolist()
+                layer.tokens = layer.tokens + 1
+    # A batch of another size (a layer reused after a reorder) gets a table of its own width.
+    layer = CompressingLayer(plan)
+    layer.tokens = np.array([3, 4, 5])
+    layer._share_now()
+    layer.tokens = np.array([12, 30])
+    assert layer._share_now().tolist() == plan.keep(layer.tokens).tolist()
+
+
 # ----- memory --------------------------------------------------------------------------------
 
 

@@ -125,6 +125,12 @@ class CompressingLayer(DynamicLayer):
         self.score: torch.Tensor | None = None  # [B, S] accumulated attention, for rules that need it
         self.tokens = np.zeros(0, dtype=np.int64)  # real tokens seen per sequence (T)
         self.kept = np.zeros(0, dtype=np.int64)  # valid slots per sequence
+        self.share = np.zeros(0, dtype=np.int64)  # entries each sequence may hold now (set before a victim is asked for)
+        # [counts, B] the plan's share for each token count (`_share_now`); None until a step needs it.
+        self._share_table: np.ndarray | None = None
+        # The keys and values [B, Hkv, D] of the token the last step placed (a packed layer's eviction
+        # moves that token, so it writes them instead of reading the slot back).
+        self._placed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compressed = False
         self._prompt_columns = 0
         self._prompt_rank: torch.Tensor | None = None  # [B, S] rank of compressed prompt entries, -1 elsewhere
@@ -209,6 +215,7 @@ class CompressingLayer(DynamicLayer):
         if self._pending is not None:
             self._pending = PromptScores(*(None if t is None else fn(t) for t in (self._pending.importance, self._pending.heads, self._pending.window)))
         self.tokens, self.kept = self.tokens[host_index], self.kept[host_index]
+        self._share_table, self._placed = None, None
 
     # ----- several layers' rows as one (calibration's side-by-side recipes, runtime.grouped) -----
 
@@ -549,14 +556,16 @@ class CompressingLayer(DynamicLayer):
             # The first free slot is the row's count: written at host-known slots, nothing searched.
             slot = self.kept.copy()
             at = _slots(slot, self.valid.device)
-            _put(self.keys, at, key_states[:, :, 0])
-            _put(self.values, at, value_states[:, :, 0])
+            self._placed = (key_states[:, :, 0], value_states[:, :, 0])
+            _put(self.keys, at, self._placed[0])
+            _put(self.values, at, self._placed[1])
             _put(self.valid, at, True)
             frozen = self.frozen if self._any_frozen else None
             for tensor, value in ((frozen, False), (self.image, False), (self.order, self.seen), (self.score, 0.0)):
                 if tensor is not None:
                     _put(tensor, at, value)
         else:
+            self._placed = None
             slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
             bsz, heads, _, dim = self.keys.shape
             self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), key_states)
@@ -639,7 +648,8 @@ class CompressingLayer(DynamicLayer):
             return
         if not self.plan.evict.holds_budget:
             return
-        over = self.kept > self.plan.keep(self.tokens)
+        self.share = self._share_now()  # the rule reads it too
+        over = self.kept > self.share
         if not over.any():
             return
         if not self.packed:
@@ -648,6 +658,18 @@ class CompressingLayer(DynamicLayer):
             raise KvtoolError("internal: a layer over its share holds its entries out of slot order")
         self._evict_packed(np.flatnonzero(over), self.plan.evict.victim(self))
         self.kept = self.kept - over
+
+    def _share_now(self) -> np.ndarray:
+        """`plan.keep(tokens)`, read from a table of the plan's share for every token count: one
+        vectorised computation every few hundred tokens instead of several numpy calls per layer and
+        step (which add up to milliseconds per decode step across a model's layers)."""
+        tokens, table = self.tokens, self._share_table
+        top = int(tokens.max())
+        if table is None or top >= table.shape[0] or table.shape[1] != len(tokens):
+            width = max(2 * top + 1, 512)
+            counts = np.broadcast_to(np.arange(width)[:, None], (width, len(tokens)))
+            table = self._share_table = np.asarray(self.plan.keep(counts))  # a row-wise plan broadcasts over B
+        return table[tokens, np.arange(len(tokens))]
 
     def _add_lookahead(self, received: torch.Tensor) -> None:
         """The new token's attention ([B, Hkv, S], each KV head's query heads averaged) joins the
@@ -703,11 +725,17 @@ class CompressingLayer(DynamicLayer):
         if victim.dim() == 2:
             row = row[:, None]
             head = torch.arange(victim.shape[1], device=victim.device)[None, :]
+        # The last slot holds the token this step placed (it went to slot `kept`, evictions run once
+        # per step): what it moves is known without reading the slot back, except its score.
+        moved = self._placed is not None and np.array_equal(last, np.asarray(self._new_slot)[rows])
         for name in ("keys", "values", "order", "frozen", "score", "image"):
             tensor = getattr(self, name)
             if tensor is None or (name == "frozen" and not self._any_frozen):
                 continue
-            entry = _take(tensor, source)  # read before the write: the victim may be the last slot
+            if moved and name != "score":
+                entry = self._moved_entry(name, None if every_row else rows)
+            else:
+                entry = _take(tensor, source)  # read before the write: the victim may be the last slot
             if victim.dim() == 2:
                 tensor[row, head, target] = entry
             elif tensor.dim() == 2:
@@ -715,6 +743,13 @@ class CompressingLayer(DynamicLayer):
             else:
                 tensor[row, :, target] = entry
         _put(self.valid, source, False)
+
+    def _moved_entry(self, name: str, rows: np.ndarray | None):
+        """What the token placed this step holds in `name`, for `rows` (None: every row)."""
+        if name in ("keys", "values"):
+            states = self._placed[0 if name == "keys" else 1]
+            return states if rows is None else states[torch.as_tensor(rows, device=states.device)]
+        return self.seen - 1 if name == "order" else False  # new tokens are never frozen or image tokens
 
 
 def _write_slot(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:

@@ -15,12 +15,15 @@ class HeavyHitter(EvictRule):
     needs_scores = True
 
     def victim(self, layer) -> torch.Tensor:
-        recent = torch.as_tensor(layer.plan.keep(layer.tokens) // 2, device=layer.order.device)
-        # Real tokens occupy the last logical columns of each row, so the newest `recent` of them
-        # are the columns from `seen - recent` on.
-        newest = (layer.seen - recent).view(-1, *([1] * (layer.order.dim() - 1)))
-        valid = entry_valid(layer)
-        candidates = valid & (layer.order < newest)
-        candidates |= valid & ~candidates.any(dim=-1, keepdim=True)  # nothing old enough: anyone
-        score = torch.where(candidates, layer.score, torch.full_like(layer.score, float("inf")))
-        return score.argmin(dim=-1)
+        # Real tokens occupy the last logical columns of each row, so the newest `share // 2` of them
+        # are the columns from `seen - share // 2` on.
+        newest = layer.seen - layer.share // 2
+        if (newest == newest[0]).all():
+            old = layer.order < int(newest[0])  # a scalar bound: no index tensor to build
+        else:
+            newest = torch.as_tensor(newest, device=layer.order.device)
+            old = layer.order < newest.view(-1, *([1] * (layer.order.dim() - 1)))
+        old &= entry_valid(layer)
+        # No fallback for a row with nothing old: a row over its share holds share + 1 entries of
+        # distinct columns, at most share // 2 of them recent; rows within it ignore their victim.
+        return torch.where(old, layer.score, float("inf")).argmin(dim=-1)

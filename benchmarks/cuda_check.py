@@ -1,0 +1,162 @@
+"""kvtool on a CUDA GPU: the exactness checks on a float64 tiny Llama, then `kvtool bench` timings.
+
+CI has no GPU, so the test suite runs on the CPU; this script is what a session with a GPU runs.
+
+1. Exactness on the GPU (float64 tiny Llama, GQA; the shipped recipe and every named method):
+   budget 1.0 generates what the unmodified model generates, a padded batch generates what each
+   sequence generates alone, and each layer holds at most its share after the generated tokens.
+2. Speed and memory: `run_bench` (what `kvtool bench` runs) of the full cache, the built-in profile
+   and the truncated ceiling, at each `--shape` (prompt tokens x batch), in float32 and bfloat16.
+
+    python benchmarks/cuda_check.py --model path/to/SmolLM2.gguf --json cuda.json
+
+Each part reports its own error and the rest still runs; the exit status is 1 if any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kvtool.models import load_model, use_offline_defaults
+
+use_offline_defaults()  # before the imports below load transformers, which reads them once
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvtool.bench import BenchConfig, bench_dict, long_prompts, run_bench  # noqa: E402
+from kvtool.models.forward import with_cache  # noqa: E402
+from kvtool.profiles import read_profile  # noqa: E402
+from kvtool.profiles.builtin import builtin_profile  # noqa: E402
+from kvtool.runtime import METHODS, attach, method_profile, uniform_profile  # noqa: E402
+
+NEW = 24
+GREEDY = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+
+
+def tiny_llama(device: torch.device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.float64).eval()
+
+
+def padded(seqs: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq):] = seq
+        mask[row, width - len(seq):] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def exactness(device: torch.device, shipped) -> dict:
+    """The equivalence checks of tests/test_runtime_equivalence.py, on `device`."""
+    model = tiny_llama(device)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (61, 37, 50)]
+    results = {}
+    with torch.no_grad():
+        ref = model.generate(**padded(seqs, device), max_new_tokens=NEW, **GREEDY)
+        with attach(model, uniform_profile(model, 1.0)) as handle:
+            out = model.generate(**padded(seqs, device), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
+        results["budget 1.0 == unmodified"] = bool(torch.equal(ref.sequences, out.sequences))
+        recipes = {"kvtool (shipped recipe)": uniform_profile(model, 0.3, shipped.method)}
+        # Methods with one ratio in every layer (the per-layer ones need a calibrated profile of this model).
+        recipes.update({name: method_profile(name, model, 0.3) for name, m in METHODS.items() if not m.per_layer})
+        for name, profile in recipes.items():
+            with attach(model, profile) as handle:
+                cache = handle.new_cache()
+                batch = model.generate(**padded(seqs, device), max_new_tokens=NEW, **with_cache(model, cache), **GREEDY)
+                same = True
+                for row, seq in enumerate(seqs):
+                    single = model.generate(**padded([seq], device), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
+                    alone = single.sequences[0, len(seq):]
+                    same &= bool(torch.equal(alone, batch.sequences[row, -NEW:][: len(alone)]))
+                holds = all(
+                    (layer.kept <= layer.plan.keep(layer.tokens)).all() or not layer.plan.evict.holds_budget
+                    for layer in cache.layers if hasattr(layer, "kept") and layer.compresses
+                )
+            results[f"{name}: padded batch == single runs"] = same
+            results[f"{name}: each layer within its share after {NEW} tokens"] = bool(holds)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="alias, directory or .gguf file")
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--shape", action="append", default=None, help="PROMPTxBATCH (repeatable; default 4096x4 and 16384x8)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="cuda (what it is for); cpu to try the script itself")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report: dict = {"device": name, "torch": torch.__version__}
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    failed = False
+    shipped = read_profile(builtin_profile("smollm2", args.budget))
+
+    t0 = time.perf_counter()
+    try:
+        report["exactness"] = exactness(device, shipped)
+        failed |= not all(report["exactness"].values())
+    except Exception:  # noqa: BLE001 - report and go on to the timings
+        report["exactness_error"] = traceback.format_exc()
+        failed = True
+    report["exactness_s"] = time.perf_counter() - t0
+    print(json.dumps({k: v for k, v in report.items()}, indent=1), flush=True)
+
+    report["bench"] = []
+    for dtype in args.dtypes.split(","):
+        try:
+            loaded = load_model(args.model, dtype=dtype)
+            model = loaded.model.to(device)
+        except Exception:  # noqa: BLE001
+            report["bench"].append({"dtype": dtype, "error": traceback.format_exc()})
+            failed = True
+            continue
+        for shape in args.shape or ["4096x4", "16384x8"]:
+            tokens, batch = (int(x) for x in shape.split("x"))
+            config = BenchConfig(prompt_tokens=tokens, batch=batch, new_tokens=args.new_tokens, repeat=args.repeat)
+            t0 = time.perf_counter()
+            try:
+                ids = long_prompts(loaded.tokenizer, tokens, batch).to(device)
+                result = run_bench(model, ids, shipped, config)
+                entry = bench_dict(result, model=args.model, profile_note=f"built-in smollm2 b{args.budget}")
+            except Exception:  # noqa: BLE001
+                entry = {"error": traceback.format_exc()}
+                failed = True
+            entry.update(dtype=dtype, shape=shape, seconds=time.perf_counter() - t0)
+            report["bench"].append(entry)
+            brief = {k: entry.get(k) for k in ("dtype", "shape", "decode_speedup", "decode_speedup_ceiling", "prefill_ratio", "kv_fraction", "seconds", "error")}
+            for name in ("full", "compressed", "ceiling"):
+                if name in entry:
+                    brief[name] = {k: entry[name][k] for k in ("prefill_s", "decode_tok_s", "peak_memory_bytes")}
+            print(json.dumps(brief, indent=1), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=1))
+        del model, loaded
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
