@@ -91,6 +91,34 @@ def exactness(device: torch.device, shipped) -> dict:
     return results
 
 
+def host_waits(model, profile, ids: torch.Tensor, steps: int = 4) -> dict:
+    """Operations that make the host wait for the GPU during kvtool decode steps (torch's sync debug
+    mode), by source line: each one drains the GPU's queue, which a launch-bound decode cannot afford."""
+    import collections
+    import warnings
+
+    lines: collections.Counter = collections.Counter()
+    with torch.no_grad(), attach(model, profile) as handle:
+        cache = handle.new_cache()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for step in range(steps):
+                    position = torch.full((ids.shape[0], 1), ids.shape[1] + step, device=ids.device)
+                    out = model(input_ids=token, position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+                    token = out.logits[:, -1].argmax(-1, keepdim=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                lines[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    return {"per_step": sum(lines.values()) / steps, "by_line": dict(lines.most_common(12))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="alias, directory or .gguf file")
@@ -136,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             try:
                 ids = long_prompts(loaded.tokenizer, tokens, batch).to(device)
+                if device.type == "cuda":
+                    report.setdefault("host_waits", {})[f"{dtype} {shape}"] = host_waits(model, shipped, ids)
+                    print(json.dumps(report["host_waits"][f"{dtype} {shape}"]), flush=True)
                 result = run_bench(model, ids, shipped, config)
                 entry = bench_dict(result, model=args.model, profile_note=f"built-in smollm2 b{args.budget}")
             except Exception:  # noqa: BLE001

@@ -598,8 +598,8 @@ class CompressingLayer(DynamicLayer):
         feeds padding after the prompt, but a bare forward on a padded batch may."""
         if given is None:
             return
-        real = given[:, 0, -1, -1]
-        if bool(real.all()):
+        real = _real_new_tokens(given)
+        if real is None:
             return
         slot = torch.as_tensor(self._new_slot, device=self.valid.device)
         self.valid.scatter_(1, slot[:, None], real[:, None])
@@ -720,7 +720,9 @@ class CompressingLayer(DynamicLayer):
         last = self.kept[rows] - 1
         every_row = len(rows) == len(self.kept)
         source = _slots(last, self.valid.device, None if every_row else rows)
-        row = torch.as_tensor(rows, device=victim.device)
+        # Every row (the usual case): an index built on the device, since copying `rows` there would
+        # wait for the GPU's queue at every layer.
+        row = torch.arange(len(rows), device=victim.device) if every_row else torch.as_tensor(rows, device=victim.device)
         target = victim if every_row else victim[row]
         if victim.dim() == 2:
             row = row[:, None]
@@ -750,6 +752,22 @@ class CompressingLayer(DynamicLayer):
             states = self._placed[0 if name == "keys" else 1]
             return states if rows is None else states[torch.as_tensor(rows, device=states.device)]
         return self.seen - 1 if name == "order" else False  # new tokens are never frozen or image tokens
+
+
+# The last mask `_real_new_tokens` read, and its answer: every layer of a forward gets the same mask
+# object, so the host reads it once per forward instead of once per layer (each read waits for the GPU).
+_last_mask: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def _real_new_tokens(given: torch.Tensor) -> torch.Tensor | None:
+    """Which rows' new token is real by the forward's mask ([B] bool), or None when all are."""
+    global _last_mask
+    if _last_mask is not None and _last_mask[0] is given:
+        return _last_mask[1]
+    real = given[:, 0, -1, -1]
+    answer = None if bool(real.all()) else real
+    _last_mask = (given, answer)
+    return answer
 
 
 def _write_slot(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
