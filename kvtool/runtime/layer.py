@@ -735,7 +735,7 @@ class CompressingLayer(DynamicLayer):
             if tensor is None or (name == "frozen" and not self._any_frozen):
                 continue
             if moved and name != "score":
-                entry = self._moved_entry(name, None if every_row else rows)
+                entry = self._moved_entry(name, tensor, None if every_row else rows)
             else:
                 entry = _take(tensor, source)  # read before the write: the victim may be the last slot
             if victim.dim() == 2:
@@ -746,12 +746,15 @@ class CompressingLayer(DynamicLayer):
                 tensor[row, :, target] = entry
         _put(self.valid, source, False)
 
-    def _moved_entry(self, name: str, rows: np.ndarray | None):
-        """What the token placed this step holds in `name`, for `rows` (None: every row)."""
+    def _moved_entry(self, name: str, tensor: torch.Tensor, rows: np.ndarray | None) -> torch.Tensor:
+        """What the token placed this step holds in `name` (stored in `tensor`), for `rows` (None: every row)."""
         if name in ("keys", "values"):
             states = self._placed[0 if name == "keys" else 1]
             return states if rows is None else states[torch.as_tensor(rows, device=states.device)]
-        return self.seen - 1 if name == "order" else False  # new tokens are never frozen or image tokens
+        # New tokens are never frozen or image tokens. A value made on the tensor's device: a Python
+        # number written into a CUDA tensor by index is copied from the host, which waits for the GPU
+        # (torch's sync debug mode flagged it once per layer and step).
+        return tensor.new_full((), self.seen - 1 if name == "order" else False)
 
 
 # The last mask `_real_new_tokens` read, and its answer: every layer of a forward gets the same mask
