@@ -35,6 +35,7 @@ from kvtool.models.forward import with_cache  # noqa: E402
 from kvtool.profiles import read_profile  # noqa: E402
 from kvtool.profiles.builtin import builtin_profile  # noqa: E402
 from kvtool.runtime import METHODS, attach, method_profile, uniform_profile  # noqa: E402
+from kvtool.scoring.batches import left_pad  # noqa: E402
 
 NEW = 24
 GREEDY = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True)
@@ -50,13 +51,8 @@ def tiny_llama(device: torch.device) -> LlamaForCausalLM:
 
 
 def padded(seqs: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        ids[row, width - len(seq):] = seq
-        mask[row, width - len(seq):] = 1
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    batch = left_pad([s.tolist() for s in seqs], tuple(range(len(seqs))), pad_id=0)
+    return {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
 
 
 def exactness(device: torch.device, shipped) -> dict:
