@@ -171,6 +171,35 @@ def test_share_table_equals_the_plans_keep_for_every_token_count():
     assert layer._share_now().tolist() == plan.keep(layer.tokens).tolist()
 
 
+def test_a_new_token_the_mask_marks_as_padding_is_not_kept(llama):
+    from kvtool.runtime import layer as layer_module
+
+    seqs = prompts([30, 22])
+    inputs = left_pad(seqs)
+    profile = profile_with(llama, [0.5, 0.3, 0.7], sink_tokens=2, recent_window=2)
+    with torch.no_grad(), attach(llama, profile) as handle:
+        cache = handle.new_cache()
+        out = llama(**inputs, **with_cache(llama, cache))
+        before = [(layer.tokens.copy(), layer.kept.copy()) for layer in cache.layers]
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        positions = inputs["attention_mask"].sum(dim=1, keepdim=True)
+        # Row 1's new token is padding: every layer un-places it, row 0's is kept.
+        mask = torch.cat([inputs["attention_mask"], torch.tensor([[1], [0]])], dim=1)
+        llama(input_ids=token, attention_mask=mask, position_ids=positions, **with_cache(llama, cache))
+        for layer, (tokens, kept) in zip(cache.layers, before):
+            assert layer.tokens.tolist() == [tokens[0] + 1, tokens[1]]
+            assert layer.kept[1] == kept[1] and layer.kept[0] >= kept[0]
+            assert layer.valid.sum(dim=1).tolist() == layer.kept.tolist()
+        # Every layer of that forward was handed one mask object, read once on the host.
+        assert layer_module._last_mask[1] is not None and layer_module._last_mask[1].tolist() == [True, False]
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        llama(input_ids=token, attention_mask=mask, position_ids=positions + 1, **with_cache(llama, cache))
+        assert layer_module._last_mask[1] is None  # a new mask, all real: read again
+        for layer, (tokens, _) in zip(cache.layers, before):
+            assert layer.tokens.tolist() == [tokens[0] + 2, tokens[1] + 1]
+            assert layer.valid.sum(dim=1).tolist() == layer.kept.tolist()
+
+
 # ----- memory --------------------------------------------------------------------------------
 
 

@@ -765,8 +765,9 @@ _last_mask: tuple[torch.Tensor, torch.Tensor | None] | None = None
 def _real_new_tokens(given: torch.Tensor) -> torch.Tensor | None:
     """Which rows' new token is real by the forward's mask ([B] bool), or None when all are."""
     global _last_mask
-    if _last_mask is not None and _last_mask[0] is given:
-        return _last_mask[1]
+    memo = _last_mask  # one read: another thread's forward may replace it meanwhile
+    if memo is not None and memo[0] is given:
+        return memo[1]
     real = given[:, 0, -1, -1]
     answer = None if bool(real.all()) else real
     _last_mask = (given, answer)
