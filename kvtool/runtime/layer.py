@@ -723,6 +723,7 @@ class CompressingLayer(DynamicLayer):
         # Every row (the usual case): an index built on the device, since copying `rows` there would
         # wait for the GPU's queue at every layer.
         row = torch.arange(len(rows), device=victim.device) if every_row else torch.as_tensor(rows, device=victim.device)
+        subset = None if every_row else row  # the rows, for the moved token's states
         target = victim if every_row else victim[row]
         if victim.dim() == 2:
             row = row[:, None]
@@ -735,7 +736,7 @@ class CompressingLayer(DynamicLayer):
             if tensor is None or (name == "frozen" and not self._any_frozen):
                 continue
             if moved and name != "score":
-                entry = self._moved_entry(name, tensor, None if every_row else rows)
+                entry = self._moved_entry(name, tensor, subset)
             else:
                 entry = _take(tensor, source)  # read before the write: the victim may be the last slot
             if victim.dim() == 2:
@@ -746,11 +747,12 @@ class CompressingLayer(DynamicLayer):
                 tensor[row, :, target] = entry
         _put(self.valid, source, False)
 
-    def _moved_entry(self, name: str, tensor: torch.Tensor, rows: np.ndarray | None) -> torch.Tensor:
-        """What the token placed this step holds in `name` (stored in `tensor`), for `rows` (None: every row)."""
+    def _moved_entry(self, name: str, tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """What the token placed this step holds in `name` (stored in `tensor`), for `rows` (an index
+        on the device; None: every row)."""
         if name in ("keys", "values"):
             states = self._placed[0 if name == "keys" else 1]
-            return states if rows is None else states[torch.as_tensor(rows, device=states.device)]
+            return states if rows is None else states[rows]
         # New tokens are never frozen or image tokens. A value made on the tensor's device: a Python
         # number written into a CUDA tensor by index is copied from the host, which waits for the GPU
         # (torch's sync debug mode flagged it once per layer and step).
