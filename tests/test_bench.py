@@ -80,6 +80,48 @@ def test_json_contract_and_ratios_from_the_parts(capsys, monkeypatch, tiny_llama
     assert "statm" in report["peak_memory_method"] or "ru_maxrss" in report["peak_memory_method"]
 
 
+def test_side_by_side_decode_turns_and_its_ratios(capsys, monkeypatch, tiny_llama_dir: Path) -> None:
+    """The three caches decode NEW_TOKENS steps each in turns of TURN_STEPS: 10 steps are two turns
+    (8 + 2) per cache; the ratios are those of the turns' medians. `--no-side-by-side` skips it."""
+    from kvtool.bench.measure import TURN_STEPS
+
+    report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--new-tokens", "10")
+    paired = report["side_by_side"]
+    assert paired["turn_steps"] == TURN_STEPS == 8
+    for name in ("full", "compressed", "ceiling"):
+        turns = paired["turns_tok_s"][name]
+        assert len(turns) == 2 and all(t > 0 for t in turns)
+        assert paired["decode_tok_s"][name] == pytest.approx(sum(turns) / 2)  # the median of two
+    rates = paired["decode_tok_s"]
+    assert paired["decode_speedup"] == pytest.approx(rates["compressed"] / rates["full"])
+    assert paired["decode_speedup_ceiling"] == pytest.approx(rates["ceiling"] / rates["full"])
+    assert bench_json(capsys, monkeypatch, tiny_llama_dir, "--no-side-by-side")["side_by_side"] is None
+
+
+def test_the_side_by_side_kvtool_cache_decodes_what_a_run_decodes(tiny) -> None:
+    """The side-by-side phase decodes through the kvtool cache in turns, re-attaching the model for each
+    of its turns: the tokens must be those of one uninterrupted decode of the same cache."""
+    from kvtool.bench.measure import decode_steps, prompt_phase
+    from kvtool.runtime import attach
+
+    model = tiny.model
+    profile = uniform_profile(model, 0.3)
+    ids = long_prompts(tiny.tokenizer, 40, 2)
+    tokens = []
+    for turns in ((12,), (5, 3, 4)):
+        with torch.inference_mode(), attach(model, profile) as handle:
+            state = prompt_phase(model, ids, handle.new_cache)
+        seen = []
+        for steps in turns:
+            with torch.inference_mode(), attach(model, profile):
+                for _ in range(steps):
+                    decode_steps(model, state, 1)
+                    seen.append(state.token)
+        tokens.append(torch.cat(seen, dim=1))
+        assert state.cache.layers[0].seen == 40 + 12  # every decode step fed one token
+    assert torch.equal(tokens[0], tokens[1])
+
+
 def test_full_cache_bytes_are_the_plain_cache(capsys, monkeypatch, tiny_llama_dir: Path, tiny) -> None:
     report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--budget", "0.5")
     heads, dim = kv_heads_and_dim(tiny.model)
@@ -136,8 +178,11 @@ def test_text_report_has_the_three_rows_and_the_ratios(capsys, monkeypatch, tiny
     assert code == 0, err
     for row in ("full", "kvtool", "truncated ceiling"):
         assert row in out
-    assert "decode:" in out and "prompt phase:" in out and "of the full cache's bytes" in out
-    assert "peak memory:" in out
+    assert "decode side by side (turns of 8 steps" in out and "decode in the runs:" in out
+    assert "prompt phase:" in out and "of the full cache's bytes" in out and "peak memory:" in out
+    code, out, err = run_main(capsys, monkeypatch, "bench", str(tiny_llama_dir), *SMALL, "--no-side-by-side")
+    assert code == 0, err
+    assert "decode: kvtool" in out and "side by side" not in out
 
 
 def test_json_stdout_is_one_object_from_the_real_entry_point(tiny_llama_dir: Path) -> None:

@@ -25,6 +25,8 @@ class BenchConfig:
     new_tokens: int = 64
     batch: int = 4
     repeat: int = 3
+    # After the runs, the three caches decode `new_tokens` steps again, in turns (`run_bench`).
+    side_by_side: bool = True
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < MIN_PROMPT_TOKENS:
@@ -51,5 +53,6 @@ class BenchConfig:
 
     @property
     def total_runs(self) -> int:
-        """Runs the benchmark makes: a warm-up and `repeat` measured runs for each of the three caches."""
-        return 3 * (1 + self.repeat)
+        """Progress steps: a warm-up and `repeat` measured runs for each of the three caches, and the
+        side-by-side decode's three prompt phases."""
+        return 3 * (1 + self.repeat) + (3 if self.side_by_side else 0)

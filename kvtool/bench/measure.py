@@ -10,6 +10,7 @@ loop (no `generate`, so the timings contain nothing but the model and the cache)
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -108,6 +109,8 @@ class BenchResult:
     # The CPU prompt kernel's block size, measured on this machine before the timed runs (None on
     # other devices, with a fixed size, or for short prompts).
     prompt_blocks: BlockTuning | None = None
+    # The three caches decoding in turns (None when the run skipped it).
+    side_by_side: SideBySide | None = None
 
     @property
     def decode_speedup(self) -> float:
@@ -124,6 +127,31 @@ class BenchResult:
     @property
     def kv_fraction(self) -> float:
         return self.compressed.kv_bytes / self.full.kv_bytes
+
+
+# Decode steps per turn of the side-by-side decode: the three caches alternate every few seconds,
+# so the machine's drift (20-30% within an hour on a shared 2-core machine) hits all three alike.
+TURN_STEPS = 8
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """Decode tokens/s of each cache per turn, measured with the three caches held at once and
+    decoding in turns of `TURN_STEPS` steps (each turn starting from the next cache in rotation)."""
+
+    turn_steps: int
+    tok_s: dict[str, tuple[float, ...]]  # cache name -> tok/s of each of its turns
+
+    def decode_tok_s(self, name: str) -> float:
+        return statistics.median(self.tok_s[name])
+
+    @property
+    def decode_speedup(self) -> float:
+        return self.decode_tok_s(COMPRESSED) / self.decode_tok_s(FULL)
+
+    @property
+    def decode_speedup_ceiling(self) -> float:
+        return self.decode_tok_s(CEILING) / self.decode_tok_s(FULL)
 
 
 def _sync(device: torch.device) -> None:
@@ -172,48 +200,77 @@ def run_once(
     from the last round's verified prefix): every pass counts as the prompt phase."""
     device = ids.device
     release_memory(device)
-    bsz, n = ids.shape
     with track_peak(device) as peak:
-        cache = make_cache()
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
-        prefix = None
-        for _ in range(draft_rounds if draft else 0):
-            drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft, prefix)
-            del cache  # before the next cache fills: one budget at a time, as the runtime holds it
-            cache = make_cache()
-            cache.set_draft(draft)
-            scored = model(
-                input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=draft if draft_verify else 1,
-                **with_cache(model, cache),
-            )
-            if draft_verify:
-                prefix = verified_prefix(drafted, scored.logits)
-            del scored
-        if after_prefill is not None:
-            after_prefill(cache)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        state = prompt_phase(model, ids, make_cache, after_prefill, draft, draft_rounds, draft_verify)
         _sync(device)
         t1 = time.perf_counter()
-        for step in range(new_tokens):
-            position = torch.full((bsz, 1), n + step, device=device)
-            out = model(
-                input_ids=token, position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache)
-            )
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        decode_steps(model, state, new_tokens)
         _sync(device)
         t2 = time.perf_counter()
-        del out, token
     return RunResult(
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
-        batch=bsz,
+        batch=ids.shape[0],
         new_tokens=new_tokens,
-        kv_bytes=kv_bytes(cache),
-        kv_slots=layer_slots(cache),
+        kv_bytes=kv_bytes(state.cache),
+        kv_slots=layer_slots(state.cache),
         peak_memory_bytes=peak.bytes,
     )
+
+
+@dataclass
+class DecodeState:
+    """A cache after its prompt phase, the token it decodes next and the steps it has decoded."""
+
+    cache: Any
+    token: torch.Tensor  # [B, 1]
+    prompt_tokens: int
+    steps: int = 0
+
+
+def prompt_phase(
+    model: Any,
+    ids: torch.Tensor,
+    make_cache: Callable[[], Any],
+    after_prefill: Callable[[Any], None] | None = None,
+    draft: int = 0,
+    draft_rounds: int = 1,
+    draft_verify: bool = False,
+) -> DecodeState:
+    """The prompt forward of `run_once` (and its draft rounds): the cache and the first new token."""
+    cache = make_cache()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+    prefix = None
+    for _ in range(draft_rounds if draft else 0):
+        drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft, prefix)
+        del cache  # before the next cache fills: one budget at a time, as the runtime holds it
+        cache = make_cache()
+        cache.set_draft(draft)
+        scored = model(
+            input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=draft if draft_verify else 1,
+            **with_cache(model, cache),
+        )
+        if draft_verify:
+            prefix = verified_prefix(drafted, scored.logits)
+        del scored
+    if after_prefill is not None:
+        after_prefill(cache)
+    return DecodeState(cache=cache, token=out.logits[:, -1].argmax(-1, keepdim=True), prompt_tokens=ids.shape[1])
+
+
+def decode_steps(model: Any, state: DecodeState, steps: int) -> None:
+    """`steps` greedy one-token forwards continuing `state` (a plain loop: nothing but the model and the cache)."""
+    bsz = state.token.shape[0]
+    for _ in range(steps):
+        position = torch.full((bsz, 1), state.prompt_tokens + state.steps, device=state.token.device)
+        out = model(
+            input_ids=state.token, position_ids=position, use_cache=True, logits_to_keep=1,
+            **with_cache(model, state.cache),
+        )
+        state.token = out.logits[:, -1].argmax(-1, keepdim=True)
+        state.steps += 1
 
 
 def _draft_tokens(
@@ -270,6 +327,38 @@ def run_bench(
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)
 
+    def side_by_side() -> SideBySide:
+        """Each cache's prompt phase again (untimed), then the three decode `new_tokens` steps each
+        in turns: the runs above decode minutes apart, so the machine's drift between them enters
+        their ratio; here every turn of one cache sits between turns of the other two."""
+        states: dict[str, DecodeState] = {}
+        for name in CACHES:
+            if progress is not None:
+                progress(f"side by side: prompt phase, {LABELS[name]}")
+            if name == COMPRESSED:
+                with attach(model, profile) as handle:
+                    states[name] = prompt_phase(
+                        model, ids, handle.new_cache, draft=min(profile.method.draft, config.new_tokens),
+                        draft_rounds=profile.method.draft_rounds, draft_verify=profile.method.draft_verify,
+                    )
+            else:
+                after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None
+                states[name] = prompt_phase(model, ids, plain_cache, after)
+        tok_s: dict[str, list[float]] = {name: [] for name in CACHES}
+        turn = 0
+        while states[FULL].steps < config.new_tokens:
+            steps = min(TURN_STEPS, config.new_tokens - states[FULL].steps)
+            for name in CACHES[turn % 3:] + CACHES[: turn % 3]:
+                # As in the runs: kvtool attention for the kvtool cache only.
+                with attach(model, profile) if name == COMPRESSED else contextlib.nullcontext():
+                    _sync(ids.device)
+                    start = time.perf_counter()
+                    decode_steps(model, states[name], steps)
+                    _sync(ids.device)
+                    tok_s[name].append(ids.shape[0] * steps / (time.perf_counter() - start))
+            turn += 1
+        return SideBySide(turn_steps=TURN_STEPS, tok_s={name: tuple(v) for name, v in tok_s.items()})
+
     blocks = None
     if ids.device.type == "cpu":
         shape = model.config.get_text_config()
@@ -290,6 +379,8 @@ def run_bench(
                 if progress is not None:
                     progress(f"run {round_index + 1}/{config.repeat}: {LABELS[name]}")
                 runs[name].append(measure(name, ids, config.new_tokens))
+        release_memory(ids.device)
+        paired = side_by_side() if config.side_by_side else None
     return BenchResult(
         full=CacheStats.of(runs[FULL]),
         compressed=CacheStats.of(runs[COMPRESSED]),
@@ -301,4 +392,5 @@ def run_bench(
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         peak_memory_method=peak_memory_method(ids.device),
         prompt_blocks=blocks,
+        side_by_side=paired,
     )

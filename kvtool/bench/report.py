@@ -47,6 +47,13 @@ def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[st
         "decode_speedup_ceiling": result.decode_speedup_ceiling,
         "prefill_ratio": result.prefill_ratio,
         "kv_fraction": result.kv_fraction,
+        "side_by_side": None if result.side_by_side is None else {
+            "turn_steps": result.side_by_side.turn_steps,
+            "decode_tok_s": {name: result.side_by_side.decode_tok_s(name) for name in CACHES},
+            "turns_tok_s": {name: list(result.side_by_side.tok_s[name]) for name in CACHES},
+            "decode_speedup": result.side_by_side.decode_speedup,
+            "decode_speedup_ceiling": result.side_by_side.decode_speedup_ceiling,
+        },
         "prompt_blocks": None if result.prompt_blocks is None else {
             "chosen_elements": result.prompt_blocks.chosen,
             "seconds": {str(k): v for k, v in result.prompt_blocks.seconds.items()},
@@ -91,10 +98,19 @@ def render(console: Console, result: BenchResult, *, model: str, source: str, pr
         soft_wrap=True,
     )
     console.print(bench_table(result))
+    paired = result.side_by_side
+    if paired is not None:
+        share = paired.decode_speedup / paired.decode_speedup_ceiling if paired.decode_speedup_ceiling else 0.0
+        tok_s = ", ".join(f"{LABELS[name]} {paired.decode_tok_s(name):.1f}" for name in CACHES)
+        console.print(
+            f"decode side by side (turns of {paired.turn_steps} steps; tok/s {tok_s}): kvtool "
+            f"{paired.decode_speedup:.2f}x the full cache's tokens/s (ceiling {paired.decode_speedup_ceiling:.2f}x: "
+            f"kvtool reaches {share:.0%} of it)"
+        )
     share = result.decode_speedup / result.decode_speedup_ceiling if result.decode_speedup_ceiling else 0.0
     console.print(
-        f"decode: kvtool {result.decode_speedup:.2f}x the full cache's tokens/s "
-        f"(ceiling {result.decode_speedup_ceiling:.2f}x: kvtool reaches {share:.0%} of it)"
+        f"decode{' in the runs' if paired is not None else ''}: kvtool {result.decode_speedup:.2f}x the full "
+        f"cache's tokens/s (ceiling {result.decode_speedup_ceiling:.2f}x: kvtool reaches {share:.0%} of it)"
     )
     console.print(f"prompt phase: kvtool takes {result.prefill_ratio:.2f}x the full cache's time")
     blocks = result.prompt_blocks

@@ -47,6 +47,14 @@ def bench_command(
     repeat: Annotated[
         int, typer.Option(help="Measured runs per cache (interleaved, after one warm-up each); medians are reported.")
     ] = 3,
+    side_by_side: Annotated[
+        bool,
+        typer.Option(
+            "--side-by-side/--no-side-by-side",
+            help="After the runs, fill the three caches again and decode NEW_TOKENS steps each in turns of 8 "
+            "(the decode ratio drift cannot skew).",
+        ),
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Measure the full cache, a kvtool cache and a truncated dense cache (the ceiling) in one process.
@@ -58,12 +66,19 @@ def bench_command(
     tensor memory); on CPU, the process's resident set size sampled from /proc/self/statm every 5 ms
     (where /proc is missing: getrusage ru_maxrss, the process's lifetime peak). The ceiling is a plain
     DynamicCache cut after the prompt to the entries kvtool keeps in each layer (no scoring, no merging).
+
+    The runs decode minutes apart (each after its own prompt phase), so a machine whose speed drifts
+    moves their decode ratio. Side by side (the default) the three caches are then filled again and
+    decode in turns of 8 steps, each turn between the other two caches' turns: the median tokens/s of
+    the turns gives the decode ratio the report leads with.
     """
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.bench import BenchConfig, bench_dict, long_prompts, render, run_bench
     from kvtool.models import load_model
 
-    config = BenchConfig(prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch=batch, repeat=repeat)
+    config = BenchConfig(
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch=batch, repeat=repeat, side_by_side=side_by_side
+    )
     check_choice(budget, profile)
     if profile is None and budget is None:
         budget = DEFAULT_BUDGET

@@ -87,7 +87,7 @@ def _attend(
         layer.compress_prompt(attention_mask, scores)
         return out
     layer.discard_padded_token(attention_mask)
-    mask = layer.slot_mask()
+    key, value, mask = layer.decode_view()
     if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
         output, received = decode_attention_with_scores(query, key, value, mask, scaling, per_head=layer.decode_per_head)
         layer.add_scores(received)

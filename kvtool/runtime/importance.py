@@ -431,7 +431,8 @@ def decode_attention_with_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token's attention over the cached slots, with the probabilities it gave them.
 
-    query: [B, Hq, 1, D]; keys/values: [B, Hkv, S, D]; mask: boolean [B, 1, 1, S].
+    query: [B, Hq, 1, D]; keys/values: [B, Hkv, S, D]; mask: boolean [B, 1, 1, S], or None when
+    every slot holds an entry.
     Returns the output in sdpa_attention_forward's layout [B, 1, Hq, D] and the probabilities:
     [B, S] averaged over all query heads (what H2O accumulates and shared TOVA ranks), or with
     `per_head` [B, Hkv, S] averaged over each KV head's query heads (per-head layers, whose slots
@@ -442,7 +443,8 @@ def decode_attention_with_scores(
     acc = accumulation_dtype(query.dtype)
     q = query.reshape(bsz, n_kv_heads, n_heads // n_kv_heads, head_dim).to(acc) * scaling
     scores = torch.matmul(q, keys.to(acc).transpose(-1, -2))  # [B, Hkv, g, S]
-    scores.masked_fill_(~mask, float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values.to(acc))  # [B, Hkv, g, D]
     out = out.reshape(bsz, 1, n_heads, -1).to(query.dtype)

@@ -128,6 +128,7 @@ class CompressingLayer(DynamicLayer):
         self.share = np.zeros(0, dtype=np.int64)  # entries each sequence may hold now (set before a victim is asked for)
         # [counts, B] the plan's share for each token count (`_share_now`); None until a step needs it.
         self._share_table: np.ndarray | None = None
+        self._share_rows = np.zeros(0, dtype=np.int64)  # arange(B), the table's row index
         # The keys and values [B, Hkv, D] of the token the last step placed (a packed layer's eviction
         # moves that token, so it writes them instead of reading the slot back).
         self._placed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -611,6 +612,19 @@ class CompressingLayer(DynamicLayer):
         """Boolean [B, 1, 1, S] mask over physical slots for the one new query token (pure)."""
         return self.valid[:, None, None, :]
 
+    def decode_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys, values and mask the new token attends to. A packed layer's valid slots are each row's
+        first `kept`, so it hands over its first max(kept) slots (views), and no mask at all when every
+        row holds that many: on the CPU masking the spare slots cost as much as a tenth of the attention.
+        Other layers (and a layer in its lookahead, whose scores grow over every slot): the whole
+        buffer, masked by validity. Scores the attention returns are as wide as the view."""
+        if self.packed and self._pending is None:
+            width = int(self.kept.max())
+            if width > 0:
+                mask = None if (self.kept == width).all() else self.valid[:, None, None, :width]
+                return self.keys[:, :, :width], self.values[:, :, :width], mask
+        return self.keys, self.values, self.slot_mask()
+
     @property
     def needs_decode_scores(self) -> bool:
         return (
@@ -634,9 +648,15 @@ class CompressingLayer(DynamicLayer):
             self._add_lookahead(received)
             return
         if self.score is not None:
-            self.score += received.to(self.score.dtype).masked_fill(~self.entry_valid, 0.0)
+            # `received` covers the slots the token attended to (`decode_view`: the first ones, or all).
+            # Free slots among them received exactly 0 (masked before the softmax), so nothing is
+            # masked here. A row with no valid slot at all gets NaN there, which no rule reads:
+            # victims are valid slots, and placing a token resets its slot's score.
+            width = received.shape[-1]
+            score = self.score if width == self.score.shape[-1] else self.score[..., :width]
+            score += received.to(score.dtype)
         if self.plan.evict.needs_attention:
-            self.attention = received
+            self.attention = received  # as wide as the view: the slots after it are free
 
     def evict_over_budget(self) -> None:
         """Where kept > ceil(R * T) (and the floor), drop the one entry the plan's eviction rule names (never for
@@ -669,7 +689,8 @@ class CompressingLayer(DynamicLayer):
             width = max(2 * top + 1, 512)
             counts = np.broadcast_to(np.arange(width)[:, None], (width, len(tokens)))
             table = self._share_table = np.asarray(self.plan.keep(counts))  # a row-wise plan broadcasts over B
-        return table[tokens, np.arange(len(tokens))]
+            self._share_rows = np.arange(len(tokens))
+        return table[tokens, self._share_rows]
 
     def _add_lookahead(self, received: torch.Tensor) -> None:
         """The new token's attention ([B, Hkv, S], each KV head's query heads averaged) joins the
@@ -718,25 +739,26 @@ class CompressingLayer(DynamicLayer):
         its victim, the rows stay packed, and the last slot is known on the host. A victim that is the
         last slot moves onto itself."""
         last = self.kept[rows] - 1
-        every_row = len(rows) == len(self.kept)
-        source = _slots(last, self.valid.device, None if every_row else rows)
-        # Every row (the usual case): an index built on the device, since copying `rows` there would
-        # wait for the GPU's queue at every layer.
-        row = torch.arange(len(rows), device=victim.device) if every_row else torch.as_tensor(rows, device=victim.device)
-        subset = None if every_row else row  # the rows, for the moved token's states
-        target = victim if every_row else victim[row]
-        if victim.dim() == 2:
-            row = row[:, None]
-            head = torch.arange(victim.shape[1], device=victim.device)[None, :]
         # The last slot holds the token this step placed (it went to slot `kept`, evictions run once
         # per step): what it moves is known without reading the slot back, except its score.
         moved = self._placed is not None and np.array_equal(last, np.asarray(self._new_slot)[rows])
-        for name in ("keys", "values", "order", "frozen", "score", "image"):
-            tensor = getattr(self, name)
-            if tensor is None or (name == "frozen" and not self._any_frozen):
-                continue
-            if moved and name != "score":
-                entry = self._moved_entry(name, tensor, subset)
+        if len(rows) == len(self.kept):
+            self._evict_every_row(last, victim, moved)
+            return
+        source = _slots(last, self.valid.device, rows)
+        row = torch.as_tensor(rows, device=victim.device)
+        target = victim[row]
+        if victim.dim() == 2:
+            head = torch.arange(victim.shape[1], device=victim.device)[None, :]
+            row = row[:, None]
+        for name, tensor in self._entry_tensors():
+            if moved and name in ("keys", "values"):
+                entry = self._placed[0 if name == "keys" else 1][row if victim.dim() == 1 else row[:, 0]]
+            elif moved and name != "score":
+                # New tokens are never frozen or image tokens. A value made on the tensor's device: a
+                # Python number written into a CUDA tensor by index is copied from the host, which
+                # waits for the GPU.
+                entry = tensor.new_full((), self.seen - 1 if name == "order" else False)
             else:
                 entry = _take(tensor, source)  # read before the write: the victim may be the last slot
             if victim.dim() == 2:
@@ -747,17 +769,39 @@ class CompressingLayer(DynamicLayer):
                 tensor[row, :, target] = entry
         _put(self.valid, source, False)
 
-    def _moved_entry(self, name: str, tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """What the token placed this step holds in `name` (stored in `tensor`), for `rows` (an index
-        on the device; None: every row)."""
-        if name in ("keys", "values"):
-            states = self._placed[0 if name == "keys" else 1]
-            return states if rows is None else states[rows]
-        # New tokens are never frozen or image tokens. A value made on the tensor's device: a Python
-        # number written into a CUDA tensor by index is copied from the host, which waits for the GPU
-        # (torch's sync debug mode flagged it once per layer and step).
-        return tensor.new_full((), self.seen - 1 if name == "order" else False)
+    def _evict_every_row(self, last: np.ndarray, victim: torch.Tensor, moved: bool) -> None:
+        """`_evict_packed` when every row drops an entry (a decode step's usual case): one scatter
+        per tensor, its index built from the victim alone (no row index, nothing copied from the host
+        when every row's last slot is the same)."""
+        source = _slots(last, self.valid.device)
+        bsz, heads, _, dim = self.keys.shape
+        # The victim as an index into [B, Hkv, S] state; a [B] victim names the slot in every head.
+        at = victim[:, :, None] if victim.dim() == 2 else victim[:, None, None].expand(bsz, heads, 1)
+        for name, tensor in self._entry_tensors():
+            if tensor.dim() == 4:
+                index = at[..., None].expand(bsz, heads, 1, dim)
+            elif tensor.dim() == 3:
+                index = at
+            else:
+                index = victim[:, None]  # shared layers' [B, S] state, whose victim is [B]
+            if moved and name in ("keys", "values"):
+                tensor.scatter_(2, index, self._placed[0 if name == "keys" else 1].unsqueeze(2))
+            elif moved and name != "score":
+                # New tokens are never frozen or image tokens. A scalar argument, not a tensor copied
+                # from the host (which would wait for a GPU's queue).
+                tensor.scatter_(tensor.dim() - 1 if tensor.dim() < 4 else 2, index, self.seen - 1 if name == "order" else False)
+            else:
+                axis = 2 if tensor.dim() == 4 else tensor.dim() - 1
+                # Read before the write: the victim may be the last slot.
+                tensor.scatter_(axis, index, _take(tensor, source).unsqueeze(axis))
+        _put(self.valid, source, False)
 
+    def _entry_tensors(self):
+        """(name, tensor) of what an eviction moves: keys, values and the per-entry state present."""
+        for name in ("keys", "values", "order", "frozen", "score", "image"):
+            tensor = getattr(self, name)
+            if tensor is not None and (name != "frozen" or self._any_frozen):
+                yield name, tensor
 
 # The last mask `_real_new_tokens` read, and its answer: every layer of a forward gets the same mask
 # object, so the host reads it once per forward instead of once per layer (each read waits for the GPU).

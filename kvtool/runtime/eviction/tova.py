@@ -27,8 +27,11 @@ class Tova(EvictRule):
                 "the tova eviction rule needs the new token's attention probabilities, which kvtool computes "
                 "only for plain softmax attention (no dropout, soft-capping or attention sinks)"
             )
-        valid = entry_valid(layer)
-        candidates = valid & ~layer.frozen
+        # The attention covers the slots the token attended to (the layer's first ones, or all of
+        # them); the slots after those are free.
+        width = attention.shape[-1]
+        valid = entry_valid(layer)[..., :width]
+        candidates = valid & ~layer.frozen[..., :width]
         candidates |= valid & ~candidates.any(dim=-1, keepdim=True)  # only sinks left: anyone
         received = torch.where(candidates, attention, torch.full_like(attention, float("inf")))
         return received.argmin(dim=-1)
