@@ -51,8 +51,8 @@ def bench_command(
         bool,
         typer.Option(
             "--side-by-side/--no-side-by-side",
-            help="After the runs, fill the three caches again and decode NEW_TOKENS steps each in turns of 8 "
-            "(the decode ratio drift cannot skew).",
+            help="After the runs, fill the three caches again and decode NEW_TOKENS steps each in turns of 8, "
+            "so the machine's drift between runs cannot skew the decode ratio.",
         ),
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
