@@ -746,14 +746,14 @@ class CompressingLayer(DynamicLayer):
             self._evict_every_row(last, victim, moved)
             return
         source = _slots(last, self.valid.device, rows)
-        row = torch.as_tensor(rows, device=victim.device)
-        target = victim[row]
+        subset = torch.as_tensor(rows, device=victim.device)
+        row, target = subset, victim[subset]
         if victim.dim() == 2:
             head = torch.arange(victim.shape[1], device=victim.device)[None, :]
-            row = row[:, None]
+            row = subset[:, None]
         for name, tensor in self._entry_tensors():
             if moved and name in ("keys", "values"):
-                entry = self._placed[0 if name == "keys" else 1][row if victim.dim() == 1 else row[:, 0]]
+                entry = self._placed[0 if name == "keys" else 1][subset]
             elif moved and name != "score":
                 # New tokens are never frozen or image tokens. A value made on the tensor's device: a
                 # Python number written into a CUDA tensor by index is copied from the host, which
@@ -778,22 +778,22 @@ class CompressingLayer(DynamicLayer):
         # The victim as an index into [B, Hkv, S] state; a [B] victim names the slot in every head.
         at = victim[:, :, None] if victim.dim() == 2 else victim[:, None, None].expand(bsz, heads, 1)
         for name, tensor in self._entry_tensors():
-            if tensor.dim() == 4:
-                index = at[..., None].expand(bsz, heads, 1, dim)
+            if tensor.dim() == 4:  # keys, values
+                axis, index = 2, at[..., None].expand(bsz, heads, 1, dim)
             elif tensor.dim() == 3:
-                index = at
+                axis, index = 2, at
             else:
-                index = victim[:, None]  # shared layers' [B, S] state, whose victim is [B]
+                axis, index = 1, victim[:, None]  # shared layers' [B, S] state, whose victim is [B]
             if moved and name in ("keys", "values"):
-                tensor.scatter_(2, index, self._placed[0 if name == "keys" else 1].unsqueeze(2))
+                entry = self._placed[0 if name == "keys" else 1].unsqueeze(2)
             elif moved and name != "score":
                 # New tokens are never frozen or image tokens. A scalar argument, not a tensor copied
                 # from the host (which would wait for a GPU's queue).
-                tensor.scatter_(tensor.dim() - 1 if tensor.dim() < 4 else 2, index, self.seen - 1 if name == "order" else False)
+                tensor.scatter_(axis, index, self.seen - 1 if name == "order" else False)
+                continue
             else:
-                axis = 2 if tensor.dim() == 4 else tensor.dim() - 1
-                # Read before the write: the victim may be the last slot.
-                tensor.scatter_(axis, index, _take(tensor, source).unsqueeze(axis))
+                entry = _take(tensor, source).unsqueeze(axis)  # read before the write: the victim may be the last slot
+            tensor.scatter_(axis, index, entry)
         _put(self.valid, source, False)
 
     def _entry_tensors(self):
@@ -802,6 +802,7 @@ class CompressingLayer(DynamicLayer):
             tensor = getattr(self, name)
             if tensor is not None and (name != "frozen" or self._any_frozen):
                 yield name, tensor
+
 
 # The last mask `_real_new_tokens` read, and its answer: every layer of a forward gets the same mask
 # object, so the host reads it once per forward instead of once per layer (each read waits for the GPU).
