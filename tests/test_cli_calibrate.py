@@ -346,12 +346,13 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
 ) -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_DRAFT, DEFAULT_DRAFT_ROUNDS, DEFAULT_DRAFT_VERIFY
+    from kvtool.calibrate.config import DEFAULT_DRAFT, DEFAULT_DRAFT_REUSE, DEFAULT_DRAFT_ROUNDS, DEFAULT_DRAFT_VERIFY
     from kvtool.cli.calibrate import calibrate_command
 
     assert inspect.signature(calibrate_command).parameters["draft"].default == DEFAULT_DRAFT
     assert inspect.signature(calibrate_command).parameters["draft_rounds"].default == DEFAULT_DRAFT_ROUNDS
     assert inspect.signature(calibrate_command).parameters["draft_verify"].default == DEFAULT_DRAFT_VERIFY
+    assert inspect.signature(calibrate_command).parameters["draft_reuse"].default == DEFAULT_DRAFT_REUSE
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "6", "--draft-rounds", "3", "--out", str(out))
@@ -360,10 +361,19 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
     assert (method.draft, method.draft_rounds, method.draft_verify, method.lookahead) == (6, 3, True, 0)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
     assert code == 0 and "prompt scored again with a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
+    assert method.draft_reuse is DEFAULT_DRAFT_REUSE
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6", "--no-draft-verify", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "6", "--draft-reuse", "--out", str(out))
+    assert code == 0, err
+    assert read_profile(out).method.draft_reuse is True
+    code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
+    assert code == 0 and "verified, its keys and values reused" in " ".join(shown.split())
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
+                       "--data", str(data_file), "--papers", "--draft", "6", "--no-draft-verify", "--draft-reuse",
+                       "--out", str(out))
     assert code == 0, err
     assert read_profile(out).method.draft_verify is False
+    assert read_profile(out).method.draft_reuse is False  # nothing verified, nothing to reuse
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "0", "--out", str(out))
     assert code == 0, err

@@ -3,6 +3,7 @@ and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -367,3 +368,9 @@ def test_a_verified_draft_reports_how_much_of_each_answer_it_wrote(loaded, promp
     assert len(verified.verified_per_prompt) == len(records)
     assert all(1 <= n <= 4 for n in verified.verified_per_prompt)
     assert verified.kv_peak_fraction == pytest.approx(plain.kv_peak_fraction, rel=0.05)
+    # Reusing the draft's keys and values changes what the cache holds, not what was verified.
+    reusing = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft_reuse=True))
+    save_profile(reusing, tmp_path / "reuse.yaml")
+    (reused,) = evaluate(loaded, data=records, profile=tmp_path / "reuse.yaml", config=config).results
+    assert reused.verified_per_prompt == verified.verified_per_prompt
+    assert reused.kv_fraction == pytest.approx(verified.kv_fraction, rel=0.05)

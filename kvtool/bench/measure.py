@@ -30,7 +30,7 @@ from kvtool.runtime.attach import layer_plans
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
-from kvtool.runtime.verified import Verified, verified_prefix
+from kvtool.runtime.verified import Verified, verify_draft
 
 # The three caches, in the order each round runs them (keys of the JSON report).
 FULL, COMPRESSED, CEILING = "full", "compressed", "ceiling"
@@ -193,17 +193,19 @@ def run_once(
     draft: int = 0,
     draft_rounds: int = 1,
     draft_verify: bool = False,
+    draft_reuse: bool = False,
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
     `draft`, the prompt phase also drafts that many tokens and compresses the prompt again with
     them, `draft_rounds` times (`kvtool.scoring.draft` says how; `draft_verify`: each later draft
-    from the last round's verified prefix): every pass counts as the prompt phase."""
+    from the last round's verified prefix; `draft_reuse`: its keys and values stored as the tokens
+    are fed): every pass counts as the prompt phase."""
     device = ids.device
     release_memory(device)
     with track_peak(device) as peak:
         _sync(device)
         t0 = time.perf_counter()
-        state = prompt_phase(model, ids, make_cache, after_prefill, draft, draft_rounds, draft_verify)
+        state = prompt_phase(model, ids, make_cache, after_prefill, draft, draft_rounds, draft_verify, draft_reuse)
         _sync(device)
         t1 = time.perf_counter()
         decode_steps(model, state, new_tokens)
@@ -238,6 +240,7 @@ def prompt_phase(
     draft: int = 0,
     draft_rounds: int = 1,
     draft_verify: bool = False,
+    draft_reuse: bool = False,
 ) -> DecodeState:
     """The prompt forward of `run_once` (and its draft rounds): the cache and the first new token."""
     cache = make_cache()
@@ -247,13 +250,13 @@ def prompt_phase(
         drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft, prefix)
         del cache  # before the next cache fills: one budget at a time, as the runtime holds it
         cache = make_cache()
-        cache.set_draft(draft)
+        cache.set_draft(draft, keep=draft_verify and draft_reuse)
         scored = model(
             input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=draft if draft_verify else 1,
             **with_cache(model, cache),
         )
         if draft_verify:
-            prefix = verified_prefix(drafted, scored.logits)
+            prefix = verify_draft(cache, drafted, scored.logits, draft_reuse)
         del scored
     if after_prefill is not None:
         after_prefill(cache)
@@ -321,7 +324,7 @@ def run_bench(
                 return run_once(
                     model, prompt, new_tokens, handle.new_cache,
                     draft=min(profile.method.draft, new_tokens), draft_rounds=profile.method.draft_rounds,
-                    draft_verify=profile.method.draft_verify,
+                    draft_verify=profile.method.draft_verify, draft_reuse=profile.method.draft_reuse,
                 )
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
@@ -340,6 +343,7 @@ def run_bench(
                     states[name] = prompt_phase(
                         model, ids, handle.new_cache, draft=min(profile.method.draft, config.new_tokens),
                         draft_rounds=profile.method.draft_rounds, draft_verify=profile.method.draft_verify,
+                        draft_reuse=profile.method.draft_reuse,
                     )
             else:
                 after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None

@@ -43,6 +43,9 @@ DEFAULT_DRAFT_ROUNDS = 2
 # ROUGE-L +0.115 +- 0.032 (ahead on 18, behind on 6), NLL per token -0.031 +- 0.018, needles the
 # same (0.750). It costs a few rows of the output projection (README, "Verified drafts").
 DEFAULT_DRAFT_VERIFY = True
+# Reused drafts (the profile's `draft_reuse`): the verified tokens' keys and values are the draft
+# forward's (the full cache's own) instead of the compressed cache's recomputation.
+DEFAULT_DRAFT_REUSE = False
 # Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
 DEFAULT_MERGE_MODES = ("position", "none")
 
@@ -90,6 +93,7 @@ class CalibrateConfig:
     draft: int = DEFAULT_DRAFT
     draft_rounds: int = DEFAULT_DRAFT_ROUNDS
     draft_verify: bool = DEFAULT_DRAFT_VERIFY
+    draft_reuse: bool = DEFAULT_DRAFT_REUSE
     # After the search, measure its pick and the recipes one generation rule or ratio source away with
     # the draft, and ship the best if the held-out prompts agree (`calibrate.drafted`). Off by default:
     # each candidate pays its own prompt forwards and drafts, which takes the default 10-prompt run
@@ -151,6 +155,7 @@ class CalibrateConfig:
             draft=self.draft,
             draft_rounds=self.draft_rounds,
             draft_verify=bool(self.draft_verify),
+            draft_reuse=bool(self.draft_reuse),
             draft_stage=bool(self.draft_stage),
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(

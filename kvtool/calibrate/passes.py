@@ -312,7 +312,8 @@ def drafted_ppls(
                 for profile, total in zip(profiles, totals):
                     method = profile.method
                     cache, first = draft_prompt_forward(
-                        model, state.batch, lambda: handle.cache_for(profile), method.draft, method.draft_rounds, method.draft_verify
+                        model, state.batch, lambda: handle.cache_for(profile), method.draft, method.draft_rounds, method.draft_verify,
+                        method.draft_reuse,
                     )
                     nll = teacher_forced_nll(model, cache, first, state.batch, state.references, on_step)
                     total.add(nll, state.references.scored)

@@ -145,6 +145,7 @@ def calibrate(
         settings = replace(
             settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=draft,
             draft_rounds=config.draft_rounds if draft else 1, draft_verify=bool(draft) and config.draft_verify,
+            draft_reuse=bool(draft) and config.draft_verify and config.draft_reuse,
         )
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]

@@ -207,6 +207,15 @@ def calibrate_command(
             "the answer starts with it. Costs a few rows of the output projection.",
         ),
     ] = True,  # kvtool.calibrate.config.DEFAULT_DRAFT_VERIFY
+    draft_reuse: Annotated[
+        bool,
+        typer.Option(
+            "--draft-reuse/--no-draft-reuse",
+            help="With verified drafts: store the verified tokens' keys and values from the forward that "
+            "verified them (full attention over the whole prompt, as the full cache computes them) instead of "
+            "recomputing them through the compressed cache.",
+        ),
+    ] = False,  # kvtool.calibrate.config.DEFAULT_DRAFT_REUSE
     draft_stage: Annotated[
         bool,
         typer.Option(
@@ -250,6 +259,7 @@ def calibrate_command(
         draft=draft,
         draft_rounds=draft_rounds,
         draft_verify=draft_verify,
+        draft_reuse=draft_reuse,
         draft_stage=draft_stage,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,

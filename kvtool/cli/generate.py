@@ -150,6 +150,7 @@ def generate_command(
             draft=0 if chosen is None else chosen[0].method.draft,
             draft_rounds=1 if chosen is None else chosen[0].method.draft_rounds,
             draft_verify=chosen is not None and chosen[0].method.draft_verify,
+            draft_reuse=chosen is not None and chosen[0].method.draft_reuse,
         )
     finally:
         if handle is not None:

@@ -216,7 +216,7 @@ class _Evaluation:
             for target in targets:
                 cache, first, prefix = drafted_prompt(
                     self.model, target.batch, handle.new_cache, draft, profile.method.draft_rounds,
-                    profile.method.draft_verify,
+                    profile.method.draft_verify, profile.method.draft_reuse,
                 )
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)

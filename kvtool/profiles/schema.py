@@ -109,6 +109,10 @@ class MethodSettings:
     # its own full-attention logits; the agreed prefix (plus the next token) is the full cache's
     # greedy answer, so later rounds draft from it and the answer starts with it (scoring/draft.py).
     draft_verify: bool = field(default=False, metadata=rule(omit_default=True))
+    # With a verified draft: while the answer is fed the agreed draft tokens, the cache stores the
+    # keys and values the draft's forward computed for them (full attention over the whole prompt,
+    # the full cache's own) instead of recomputing them through the compressed cache.
+    draft_reuse: bool = field(default=False, metadata=rule(omit_default=True))
 
 
 def draft_phrase(settings: MethodSettings) -> str:
@@ -117,6 +121,7 @@ def draft_phrase(settings: MethodSettings) -> str:
         return ""
     notes = [f"{settings.draft_rounds} rounds"] if settings.draft_rounds > 1 else []
     notes += ["verified"] if settings.draft_verify else []
+    notes += ["its keys and values reused"] if settings.draft_verify and settings.draft_reuse else []
     rounds = f" ({', '.join(notes)})" if notes else ""
     return f"prompt scored again with a {settings.draft}-token draft{rounds}"
 

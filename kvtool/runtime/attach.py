@@ -166,8 +166,9 @@ def _forward_pre_hook(image_tokens: tuple[int, ...]):
     with_kwargs=True)`). For a call whose cache (`cache` or `past_key_values`) is a KvtoolCache it passes the cache on to
     the attention function under CACHE_KWARG (attention.py says why), and on the forward that fills
     the cache hands it the prompt's image-token mask: `input_ids` in `image_tokens` and not padding
-    (vision-language models; `image_tokens` is empty for text models). Calls with any other cache
-    pass through untouched."""
+    (vision-language models; `image_tokens` is empty for text models). While the cache follows a
+    verified draft it hands it each forward's tokens (`KvtoolCache.next_tokens`). Calls with any
+    other cache pass through untouched."""
 
     def hook(module, args, kwargs):
         cache = passed_cache(kwargs)
@@ -175,6 +176,8 @@ def _forward_pre_hook(image_tokens: tuple[int, ...]):
             return None
         if image_tokens and isinstance(cache, KvtoolCache) and cache.awaiting_prompt:
             cache.set_image_mask(_image_mask(args, kwargs, image_tokens))
+        if isinstance(cache, KvtoolCache) and cache.follows_draft:
+            cache.next_tokens(kwargs.get("input_ids", args[0] if args else None))
         return args, {**kwargs, CACHE_KWARG: cache}
 
     return hook

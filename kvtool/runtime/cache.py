@@ -28,6 +28,9 @@ class KvtoolCache(DynamicCache):
                 raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}; only full-attention layers compress")
             self.layers[i] = CompressingLayer(plan)
         self.image_mask: torch.Tensor | None = None  # [B, n] image-token positions of the prompt
+        # A verified draft the rows are fed (`reuse_draft`): its tokens [B, top] while some row may
+        # still follow it, else None.
+        self._draft_tokens: np.ndarray | None = None
 
     @property
     def awaiting_prompt(self) -> bool:
@@ -45,10 +48,10 @@ class KvtoolCache(DynamicCache):
         for layer in self.compressing_layers().values():
             layer.set_prompt_image(self.image_mask)
 
-    def set_draft(self, tokens: int) -> None:
+    def set_draft(self, tokens: int, keep: bool = False) -> None:
         """The next forward is the prompt followed by `tokens` draft rows, which score the prompt
-        and are then dropped (`CompressingLayer.set_draft`); every layer must compress, since a plain
-        layer would keep the draft."""
+        and are then dropped (`CompressingLayer.set_draft`; `keep`: their keys and values are held
+        for `reuse_draft`); every layer must compress, since a plain layer would keep the draft."""
         plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
         if tokens and plain:
             raise KvtoolError(
@@ -56,7 +59,45 @@ class KvtoolCache(DynamicCache):
                 "(sliding-window layers of hybrid models cannot drop the draft)"
             )
         for layer in self.compressing_layers().values():
-            layer.set_draft(tokens)
+            layer.set_draft(tokens, keep)
+
+    def reuse_draft(self, draft: torch.Tensor, agreed: np.ndarray) -> None:
+        """Row b's first `agreed[b]` tokens of `draft` [B, k] are the full cache's own answer (a
+        verified draft, right after the prompt forward that kept it: `set_draft(..., keep=True)`).
+        While a row is fed exactly those tokens, each step stores the draft forward's keys and
+        values for its token (computed with full attention over the whole prompt, as the full cache
+        computes them) instead of the ones it computes through the compressed cache. Whoever feeds
+        other tokens (a sampled answer, a teacher-forced reference) gets the usual ones from there on:
+        `attach`'s hook hands every forward's tokens to `next_tokens`."""
+        agreed = np.minimum(np.asarray(agreed, dtype=np.int64).reshape(-1), draft.shape[1])
+        top = int(agreed.max(initial=0))
+        self._draft_tokens = draft[:, :top].cpu().numpy() if top > 0 else None
+        self._draft_agreed = agreed
+        self._draft_following = np.ones(len(agreed), dtype=bool)
+        self._draft_step = 0
+        for layer in self.compressing_layers().values():
+            layer.reuse_draft(agreed)
+
+    @property
+    def follows_draft(self) -> bool:
+        """True while some row may still be fed its verified draft (`reuse_draft`)."""
+        return self._draft_tokens is not None
+
+    def next_tokens(self, input_ids: torch.Tensor | None) -> None:
+        """The tokens the next forward feeds ([B, 1]): rows still on their verified draft take its
+        keys and values this step; a row that leaves it never comes back."""
+        t = self._draft_step
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[1] == 1:
+            fed = input_ids[:, 0].cpu().numpy()
+            take = self._draft_following & (t < self._draft_agreed) & (fed == self._draft_tokens[:, t])
+        else:  # not one token per row: nothing here is the draft's
+            take = np.zeros(len(self._draft_agreed), dtype=bool)
+        self._draft_following = take
+        self._draft_step = t + 1
+        if not take.any() or t + 1 >= self._draft_tokens.shape[1]:
+            self._draft_tokens = None
+        for layer in self.compressing_layers().values():
+            layer.take_draft(take)
 
     def kept_image(self) -> dict[int, np.ndarray]:
         """Per compressing layer, the kept entries of each sequence that came from image tokens ([B])."""
@@ -76,6 +117,7 @@ class KvtoolCache(DynamicCache):
         self._map_image_mask(lambda t: t.index_select(0, indices.to(t.device)))
 
     def _map_image_mask(self, fn) -> None:
+        self._draft_tokens = None  # reordered rows no longer follow their drafts (the layers drop theirs too)
         if self.image_mask is not None:
             self.image_mask = fn(self.image_mask)
 

@@ -14,7 +14,7 @@ from kvtool.models.forward import with_cache
 from kvtool.models.loader import eos_token_ids
 from kvtool.models.prompts import format_prompts
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
-from kvtool.runtime.verified import ForcedPrefix, Verified, verified_prefix
+from kvtool.runtime.verified import ForcedPrefix, Verified, verify_draft
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ def drafted_cache(
     sampling: dict | None = None,
     rounds: int = 1,
     verify: bool = False,
+    reuse: bool = False,
 ) -> tuple[Any, dict, Verified | None]:
     """A cache whose prompt was compressed with a draft's attention in its scores, the inputs
     that continue from it (the prompt and the draft's first token), and with `verify` the verified
@@ -86,7 +87,8 @@ def drafted_cache(
     token came from the prompt's own last logits, so it is the output's first token as without a draft.
     `sampling`: generate's decoding arguments for the draft (greedy by default). With `rounds` > 1
     each later draft continues from the first token through the cache the last round scored; with
-    `verify`, from the last round's verified prefix on (`runtime.verified`).
+    `verify`, from the last round's verified prefix on (`runtime.verified`); `reuse`: the cache
+    stores the draft forward's keys and values for the verified tokens (`KvtoolCache.reuse_draft`).
     """
     sampling = sampling or {"do_sample": False}
     width = inputs["input_ids"].shape[1]
@@ -106,14 +108,14 @@ def drafted_cache(
         del cache  # one budget at a time
         longer = torch.cat([mask, mask.new_ones(drafted.shape)], dim=1)
         cache = cache_factory()
-        cache.set_draft(drafted.shape[1])
+        cache.set_draft(drafted.shape[1], keep=verify and reuse)
         out = model(
             input_ids=torch.cat([inputs["input_ids"], drafted], dim=1), attention_mask=longer,
             position_ids=(longer.cumsum(dim=1) - 1).clamp(min=0), use_cache=True,
             logits_to_keep=drafted.shape[1] if verify else 1, **with_cache(model, cache),
         )
         if verify:
-            prefix = verified_prefix(drafted, out.logits)
+            prefix = verify_draft(cache, drafted, out.logits, reuse)
     return cache, {"input_ids": torch.cat([inputs["input_ids"], drafted[:, :1]], dim=1), "attention_mask": one_more}, prefix
 
 
@@ -134,6 +136,7 @@ def generate(
     draft: int = 0,
     draft_rounds: int = 1,
     draft_verify: bool = False,
+    draft_reuse: bool = False,
 ) -> GenerationResult:
     """Generate a continuation for each prompt as one left-padded batch.
 
@@ -145,7 +148,8 @@ def generate(
     then goes on from the draft's first token, which is the prompt's own next token; `draft_rounds`
     repeats the draft through each round's cache; `draft_verify` checks each draft with the full-attention
     logits of its own forward, and the output starts with the verified prefix (`runtime.verified`;
-    greedy only: with a temperature the draft is used unchecked).
+    greedy only: with a temperature the draft is used unchecked); `draft_reuse` stores that forward's
+    keys and values for the verified tokens instead of recomputing them through the compressed cache.
     """
     if max_new_tokens < 1:
         raise KvtoolError("max-new-tokens must be at least 1")
@@ -169,7 +173,7 @@ def generate(
             cache, inputs, prefix = drafted_cache(
                 # The verified prefix is the full cache's greedy answer: a sampled answer does not start with it.
                 model, inputs, cache_factory, min(draft, max_new_tokens), sampling, draft_rounds,
-                draft_verify and temperature == 0,
+                draft_verify and temperature == 0, draft_reuse,
             )
             max_new_tokens -= 1  # the draft's first token is the output's first
             clock.stamps.append(time.perf_counter())  # the prompt is compressed: what follows is decoding

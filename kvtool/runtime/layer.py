@@ -157,6 +157,12 @@ class CompressingLayer(DynamicLayer):
         self._pending: PromptScores | None = None
         # Draft rows at the end of the prompt forward (`set_draft`): they score, they are not kept.
         self._draft = 0
+        self._keep_draft = False  # hold the draft rows' keys and values until `reuse_draft` says which
+        # The draft rows' keys and values ([B, Hkv, k, D] each), computed with full attention over the
+        # prompt: the full cache's own for the draft tokens it confirmed. Step t writes row b's column
+        # t in place of the new token's where the cache says the token is the draft's; freed after.
+        self._draft_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._draft_take: np.ndarray | None = None  # [B] rows whose next token is their draft's (`take_draft`)
 
     # ----- transformers' cache-layer interface -------------------------------------------------
 
@@ -180,6 +186,8 @@ class CompressingLayer(DynamicLayer):
                     "kvtool compresses the whole prompt in one forward; later forwards must feed one token at a time "
                     "(chunked prefill and multi-token continuation are not supported)"
                 )
+            if self._draft_kv is not None:
+                key_states, value_states = self._from_draft(key_states, value_states)
             self._place(key_states, value_states)
         return self.keys, self.values
 
@@ -215,6 +223,7 @@ class CompressingLayer(DynamicLayer):
                 setattr(self, name, fn(tensor))
         if self._pending is not None:
             self._pending = PromptScores(*(None if t is None else fn(t) for t in (self._pending.importance, self._pending.heads, self._pending.window)))
+        self._draft_kv = None  # the rows no longer follow their drafts (beam search): compute as usual
         self.tokens, self.kept = self.tokens[host_index], self.kept[host_index]
         self._share_table, self._placed = None, None
 
@@ -225,7 +234,7 @@ class CompressingLayer(DynamicLayer):
         """What two compressed layers must share to decode as one layer with a share per row (their
         generation rule, head mode, per-entry state, length and shapes); None for a layer that
         cannot join one (not compressed and packed, or in its lookahead)."""
-        if not (self.compressed and self.compresses and self.packed and self._pending is None):
+        if not (self.compressed and self.compresses and self.packed and self._pending is None and self._draft_kv is None):
             return None
         present = tuple(getattr(self, name) is None for name, _ in ENTRY_STATE)
         keys = self.keys
@@ -271,6 +280,7 @@ class CompressingLayer(DynamicLayer):
         if not self.is_initialized:
             return 0
         tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score, self.image, self.attention]
+        tensors += list(self._draft_kv or ())  # a verified draft's entries, held until generation stores them
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def full_bytes(self) -> int:
@@ -314,11 +324,12 @@ class CompressingLayer(DynamicLayer):
         """Slot validity shaped to broadcast against the per-entry metadata ([B, S] or [B, 1, S])."""
         return self.valid[:, None, :] if self.per_head else self.valid
 
-    def set_draft(self, tokens: int) -> None:
+    def set_draft(self, tokens: int, keep: bool = False) -> None:
         """The prompt forward that fills this layer ends with `tokens` draft rows (a first draft of
         the answer): their attention joins the prompt's scores (every row's column sums, and the
         observation window, which grows by them), then the layer keeps only prompt entries and reports
-        the prompt's length, so the next token continues from the prompt's end."""
+        the prompt's length, so the next token continues from the prompt's end. With `keep`, the
+        draft rows' keys and values are held until `reuse_draft` says how many of them to use."""
         if self.is_initialized:
             raise KvtoolError("the draft length must be set before the prompt is processed")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
@@ -326,6 +337,45 @@ class CompressingLayer(DynamicLayer):
         if tokens and self.plan.lookahead:
             raise KvtoolError("a draft and a lookahead cannot be combined: the draft replaces the lookahead")
         self._draft = tokens
+        self._keep_draft = bool(keep and tokens)
+
+    def reuse_draft(self, agreed: np.ndarray) -> None:
+        """Row b's first `agreed[b]` draft tokens are the full cache's own (a verified draft): their
+        keys and values from the prompt forward, where they attended to the whole prompt, are the full
+        cache's too. Keep them for the steps that feed those tokens (`take_draft`); only right after a
+        prompt forward that kept its draft."""
+        if self._draft_kv is None or self.seen != self._prompt_columns:
+            raise KvtoolError("internal: a draft is reused only right after the prompt forward that kept it")
+        agreed = np.asarray(agreed, dtype=np.int64).reshape(-1)
+        if agreed.shape != self.tokens.shape:
+            raise KvtoolError(f"internal: {agreed.shape[0]} draft lengths for a batch of {len(self.tokens)}")
+        top = int(min(agreed.max(initial=0), self._draft_kv[0].shape[2]))
+        keys, values = self._draft_kv
+        # Copies: the columns past `top` are never read, and views would keep them alive.
+        self._draft_kv = (keys[:, :, :top].clone(), values[:, :, :top].clone()) if top > 0 else None
+
+    def take_draft(self, rows: np.ndarray) -> None:
+        """The next step's token is row b's draft token where `rows[b]` ([B] bool, set by the cache,
+        which sees the tokens): that step stores the draft forward's keys and values for it instead
+        of the ones computed through the compressed cache."""
+        self._draft_take = rows
+
+    def _from_draft(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new token's keys and values: the held draft's where this step reuses them. Each step
+        still places one entry and evicts as its rule says."""
+        rows, self._draft_take = self._draft_take, None
+        t = self.seen - self._prompt_columns
+        keys, values = self._draft_kv
+        if rows is None or t >= keys.shape[2] or not rows.any():  # the rows left the draft, or it was never confirmed
+            self._draft_kv = None
+            return key_states, value_states
+        drafted_k, drafted_v = keys[:, :, t : t + 1], values[:, :, t : t + 1]
+        if t + 1 >= keys.shape[2]:
+            self._draft_kv = None
+        if rows.all():
+            return drafted_k, drafted_v
+        take = torch.as_tensor(rows, device=key_states.device)[:, None, None, None]
+        return torch.where(take, drafted_k, key_states), torch.where(take, drafted_v, value_states)
 
     def set_prompt_image(self, image_mask: torch.Tensor | None) -> None:
         """Which prompt positions are image tokens ([B, n] bool); before the prompt forward only."""
@@ -386,6 +436,8 @@ class CompressingLayer(DynamicLayer):
         """Cut the draft's columns: keys, values, positions and scores keep the prompt's alone."""
         n = self.seen - self._draft
         self._draft = 0
+        if self._keep_draft:
+            self._draft_kv = (self.keys[:, :, n:].clone(), self.values[:, :, n:].clone())
         self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
         self.order = self.order[:, :n].contiguous()
         self.seen = n

@@ -7,11 +7,17 @@ Where the draft agrees with them it is the full cache's greedy answer; at the fi
 the prediction is the full cache's next token. That prefix, `Verified`, is what later rounds draft
 from and what the answer starts with (`scoring.draft`, `runtime.generate`); `ForcedPrefix` feeds
 it to transformers' `generate` through its public logits-processor hook.
+
+The same forward computes the draft rows' keys and values with full attention too: for the tokens
+the logits agree with, they are the full cache's own. With `reuse` (`verify_draft`) the cache stores
+those instead of recomputing them through the compressed cache while the answer is fed them
+(`KvtoolCache.reuse_draft`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
@@ -24,6 +30,9 @@ class Verified:
 
     tokens: torch.Tensor  # [B, k] long
     lengths: torch.Tensor  # [B] long
+    # [B] long: row b's first `agreed[b]` tokens are the draft's own (the rest of the prefix is the
+    # full cache's correction), so the draft forward's keys and values for them are the full cache's.
+    agreed: torch.Tensor | None = None
 
     def choose(self, t: int, logits: torch.Tensor) -> torch.Tensor:
         """Step t's [B] tokens: the verified one where row b has it (t < lengths[b]), else greedy."""
@@ -46,8 +55,17 @@ def verified_prefix(draft: torch.Tensor, logits: torch.Tensor) -> Verified:
     short = matched < k
     rows = torch.nonzero(short)[:, 0]
     tokens[rows, matched[rows]] = predicted[rows, matched[rows] - 1]
-    return Verified(tokens=tokens, lengths=torch.where(short, matched + 1, matched))
+    return Verified(tokens=tokens, lengths=torch.where(short, matched + 1, matched), agreed=matched)
 
+
+def verify_draft(cache: Any, draft: torch.Tensor, logits: torch.Tensor, reuse: bool = False) -> Verified:
+    """`verified_prefix(draft, logits)` for the draft whose forward just filled `cache`; with
+    `reuse` (the cache was told `set_draft(..., keep=True)`), generation stores that forward's own
+    keys and values for the agreed tokens when it feeds them (`KvtoolCache.reuse_draft`)."""
+    prefix = verified_prefix(draft, logits)
+    if reuse:
+        cache.reuse_draft(draft, prefix.agreed.cpu().numpy())
+    return prefix
 
 
 class ForcedPrefix(LogitsProcessor):

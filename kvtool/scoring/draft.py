@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvtool.runtime.verified import Verified, verified_prefix
+from kvtool.runtime.verified import Verified, verify_draft
 from kvtool.scoring.batches import Batch
 from kvtool.scoring.engine import prompt_forward, prompt_logits, step_tokens
 
@@ -82,18 +82,21 @@ def with_draft(batch: Batch, draft: torch.Tensor) -> Batch:
 
 
 def draft_prompt_forward(
-    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1, verify: bool = False
+    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1, verify: bool = False,
+    reuse: bool = False,
 ) -> tuple[Any, torch.Tensor]:
     """The prompt of `batch` in a fresh cache from `make_cache`, compressed with a `tokens`-token
     draft's attention in its scores (`rounds` times, each draft through the last round's cache;
-    `verify`: each from the last round's verified prefix on); returns the cache and the prompt's
-    last logits [B, V]. `tokens` 0 is the plain prompt forward."""
-    cache, first, _ = drafted_prompt(model, batch, make_cache, tokens, rounds, verify)
+    `verify`: each from the last round's verified prefix on; `reuse`: the verified tokens' keys and
+    values are the draft forward's, `runtime.verified.verify_draft`); returns the cache and the
+    prompt's last logits [B, V]. `tokens` 0 is the plain prompt forward."""
+    cache, first, _ = drafted_prompt(model, batch, make_cache, tokens, rounds, verify, reuse)
     return cache, first
 
 
 def drafted_prompt(
-    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1, verify: bool = False
+    model: Any, batch: Batch, make_cache: Callable[[], Any], tokens: int, rounds: int = 1, verify: bool = False,
+    reuse: bool = False,
 ) -> tuple[Any, torch.Tensor, Verified | None]:
     """`draft_prompt_forward`, and with `verify` the last round's verified prefix (else None)."""
     cache = make_cache()
@@ -105,9 +108,10 @@ def drafted_prompt(
         draft = drafted(model, cache, first, batch, tokens, prefix).cpu()
         del cache  # the draft's cache goes before the next one fills: one budget at a time
         cache = make_cache()
-        cache.set_draft(tokens)
+        cache.set_draft(tokens, keep=verify and reuse)
         if verify:
-            prefix = verified_prefix(draft, prompt_logits(model, with_draft(batch, draft), cache, tokens))
+            logits = prompt_logits(model, with_draft(batch, draft), cache, tokens)
+            prefix = verify_draft(cache, draft, logits, reuse)
         else:
             prompt_forward(model, with_draft(batch, draft), cache)
     return cache, first, prefix
