@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from kvtool.bench import long_prompts
-from kvtool.bench.measure import run_once
+from kvtool.bench.measure import DraftRun, run_once
 from kvtool.models import load_model
 from kvtool.profiles import read_profile
 from kvtool.profiles.builtin import builtin_profile
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         for rounds in (int(r) for r in args.order.split(",")):
             method = dataclasses.replace(profile.method, draft=draft, draft_rounds=rounds)
             with attach(loaded.model, dataclasses.replace(profile, method=method)) as handle:
-                run = run_once(loaded.model, ids, args.new_tokens, handle.new_cache, draft=draft, draft_rounds=rounds)
+                run = run_once(loaded.model, ids, args.new_tokens, handle.new_cache, draft=DraftRun(draft, rounds))
             print(f"{rounds} round(s): prompt phase {run.prefill_s:.1f} s, decode {run.decode_tok_s:.2f} tok/s", flush=True)
 
 

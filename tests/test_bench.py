@@ -244,7 +244,7 @@ def test_each_draft_round_is_a_prompt_pass_of_the_bench(tiny) -> None:
     forward over prompt + draft, all before the first timed decode step."""
     import dataclasses
 
-    from kvtool.bench.measure import run_once
+    from kvtool.bench.measure import DraftRun, run_once
     from kvtool.runtime import attach
 
     profile = profile_with(tiny.model, [0.2, 0.6])
@@ -254,7 +254,7 @@ def test_each_draft_round_is_a_prompt_pass_of_the_bench(tiny) -> None:
         hook = tiny.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         try:
             with attach(tiny.model, dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=3))) as handle:
-                run_once(tiny.model, ids, 4, handle.new_cache, draft=3, draft_rounds=rounds)
+                run_once(tiny.model, ids, 4, handle.new_cache, draft=DraftRun(3, rounds))
         finally:
             hook.remove()
         assert widths == [30] + [1, 1, 33] * rounds + [1] * 4
@@ -265,7 +265,7 @@ def test_a_verified_draft_round_drafts_from_the_last_rounds_prefix(tiny) -> None
     first round's verified prefix, then greedy through the cache that round scored."""
     import dataclasses
 
-    from kvtool.bench.measure import run_once
+    from kvtool.bench.measure import DraftRun, run_once
     from kvtool.runtime import attach
     from kvtool.scoring import drafted_prompt, left_pad
     from kvtool.scoring.draft import drafted
@@ -280,7 +280,7 @@ def test_a_verified_draft_round_drafts_from_the_last_rounds_prefix(tiny) -> None
     )
     try:
         with torch.no_grad(), attach(tiny.model, profile) as handle:
-            run_once(tiny.model, ids, 2, handle.new_cache, draft=6, draft_rounds=2, draft_verify=True)
+            run_once(tiny.model, ids, 2, handle.new_cache, draft=DraftRun(6, 2, verify=True))
     finally:
         hook.remove()
     with torch.no_grad(), attach(tiny.model, profile) as handle:

@@ -184,28 +184,41 @@ def truncate_like(cache: Any, plans: Sequence[LayerPlan | None]) -> None:
         layer.values = layer.values[:, :, :keep].contiguous()
 
 
+@dataclass(frozen=True)
+class DraftRun:
+    """How a prompt phase drafts (a profile's draft settings, `MethodSettings.draft*`): `tokens`
+    drafted and the prompt compressed again with them, `rounds` times (`kvtool.scoring.draft` says
+    how; `verify`: each later draft from the last round's verified prefix; `reuse`: its keys and
+    values stored as the tokens are fed). `tokens` 0: no draft."""
+
+    tokens: int = 0
+    rounds: int = 1
+    verify: bool = False
+    reuse: bool = False
+
+    @classmethod
+    def of(cls, method: Any, new_tokens: int) -> "DraftRun":
+        """A profile's draft, never longer than the tokens generated."""
+        return cls(min(method.draft, new_tokens), method.draft_rounds, method.draft_verify, method.draft_reuse)
+
+
 def run_once(
     model: Any,
     ids: torch.Tensor,
     new_tokens: int,
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
-    draft: int = 0,
-    draft_rounds: int = 1,
-    draft_verify: bool = False,
-    draft_reuse: bool = False,
+    draft: DraftRun = DraftRun(),
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
-    `draft`, the prompt phase also drafts that many tokens and compresses the prompt again with
-    them, `draft_rounds` times (`kvtool.scoring.draft` says how; `draft_verify`: each later draft
-    from the last round's verified prefix; `draft_reuse`: its keys and values stored as the tokens
-    are fed): every pass counts as the prompt phase."""
+    `draft`, the prompt phase also drafts and compresses the prompt again: every pass counts as
+    the prompt phase."""
     device = ids.device
     release_memory(device)
     with track_peak(device) as peak:
         _sync(device)
         t0 = time.perf_counter()
-        state = prompt_phase(model, ids, make_cache, after_prefill, draft, draft_rounds, draft_verify, draft_reuse)
+        state = prompt_phase(model, ids, make_cache, after_prefill, draft)
         _sync(device)
         t1 = time.perf_counter()
         decode_steps(model, state, new_tokens)
@@ -237,26 +250,23 @@ def prompt_phase(
     ids: torch.Tensor,
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
-    draft: int = 0,
-    draft_rounds: int = 1,
-    draft_verify: bool = False,
-    draft_reuse: bool = False,
+    draft: DraftRun = DraftRun(),
 ) -> DecodeState:
     """The prompt forward of `run_once` (and its draft rounds): the cache and the first new token."""
     cache = make_cache()
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
     prefix = None
-    for _ in range(draft_rounds if draft else 0):
-        drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft, prefix)
+    for _ in range(draft.rounds if draft.tokens else 0):
+        drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft.tokens, prefix)
         del cache  # before the next cache fills: one budget at a time, as the runtime holds it
         cache = make_cache()
-        cache.set_draft(draft, keep=draft_verify and draft_reuse)
+        cache.set_draft(draft.tokens, keep=draft.verify and draft.reuse)
         scored = model(
-            input_ids=torch.cat([ids, drafted], dim=1), use_cache=True, logits_to_keep=draft if draft_verify else 1,
-            **with_cache(model, cache),
+            input_ids=torch.cat([ids, drafted], dim=1), use_cache=True,
+            logits_to_keep=draft.tokens if draft.verify else 1, **with_cache(model, cache),
         )
-        if draft_verify:
-            prefix = verify_draft(cache, drafted, scored.logits, draft_reuse)
+        if draft.verify:
+            prefix = verify_draft(cache, drafted, scored.logits, draft.reuse)
         del scored
     if after_prefill is not None:
         after_prefill(cache)
@@ -321,11 +331,7 @@ def run_bench(
         # Only the kvtool runs use kvtool attention: the other two run the model as it is without kvtool.
         if name == COMPRESSED:
             with attach(model, profile) as handle:
-                return run_once(
-                    model, prompt, new_tokens, handle.new_cache,
-                    draft=min(profile.method.draft, new_tokens), draft_rounds=profile.method.draft_rounds,
-                    draft_verify=profile.method.draft_verify, draft_reuse=profile.method.draft_reuse,
-                )
+                return run_once(model, prompt, new_tokens, handle.new_cache, draft=DraftRun.of(profile.method, new_tokens))
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)
@@ -340,11 +346,7 @@ def run_bench(
                 progress(f"side by side: prompt phase, {LABELS[name]}")
             if name == COMPRESSED:
                 with attach(model, profile) as handle:
-                    states[name] = prompt_phase(
-                        model, ids, handle.new_cache, draft=min(profile.method.draft, config.new_tokens),
-                        draft_rounds=profile.method.draft_rounds, draft_verify=profile.method.draft_verify,
-                        draft_reuse=profile.method.draft_reuse,
-                    )
+                    states[name] = prompt_phase(model, ids, handle.new_cache, draft=DraftRun.of(profile.method, config.new_tokens))
             else:
                 after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None
                 states[name] = prompt_phase(model, ids, plain_cache, after)
