@@ -31,6 +31,9 @@ class KvtoolCache(DynamicCache):
         # A verified draft the rows are fed (`reuse_draft`): its tokens [B, top] while some row may
         # still follow it, else None.
         self._draft_tokens: np.ndarray | None = None
+        self._draft_agreed = np.zeros(0, dtype=np.int64)  # [B] agreed draft tokens per row
+        self._draft_following = np.zeros(0, dtype=bool)  # [B] rows fed their draft so far
+        self._draft_step = 0  # forwards since `reuse_draft`
 
     @property
     def awaiting_prompt(self) -> bool:
@@ -103,21 +106,24 @@ class KvtoolCache(DynamicCache):
         """Per compressing layer, the kept entries of each sequence that came from image tokens ([B])."""
         return {i: layer.kept_image for i, layer in self.compressing_layers().items()}
 
-    # The prompt's image mask follows the batch like the layers do (beam search, contrastive search).
+    # The cache's per-row state follows the batch like the layers do (beam search, contrastive search).
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_image_mask(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._map_image_mask(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_image_mask(lambda t: t.index_select(0, indices.to(t.device)))
+        self._map_rows(lambda t: t.index_select(0, indices.to(t.device)))
 
-    def _map_image_mask(self, fn) -> None:
-        self._draft_tokens = None  # reordered rows no longer follow their drafts (the layers drop theirs too)
+    def _map_rows(self, fn) -> None:
+        """The cache's own per-row state follows a reordered batch: the image mask is mapped, and a
+        followed draft ends (the rows are no longer the ones it was verified for; the layers drop
+        their held entries too)."""
+        self._draft_tokens = None
         if self.image_mask is not None:
             self.image_mask = fn(self.image_mask)
 
