@@ -10,6 +10,8 @@ allocation. In-sample calibration figures, not an evaluation on held-out prompts
 see it). The other two are ablations built here from calibration's steps, on the same full pass:
 `sum` curves from the plain column sums the full pass recorded, and `uniform` (Elastic Cache's
 setting) the budget as every layer's ratio.
+
+Feeds docs/methods.md "Per-layer ratios (PrefixKV)": why the curves use the per-row mean.
 """
 
 from __future__ import annotations

@@ -13,8 +13,12 @@ method (two profiles, say) sit side by side:
     .venv/bin/python benchmarks/compare.py a.json:10-samples b.json:20-samples --budget 0.2 \\
         --against "kvtool [20-samples]"
 
-    .venv/bin/python benchmarks/compare.py docs/eval-smollm2-b0.2.json --peer docs/kvpress-smollm2-b0.2.json \\
+    .venv/bin/python benchmarks/compare.py docs/results/eval-smollm2-b0.2-baselines.json \\
+        docs/results/eval-smollm2-b0.2-kvtool.json --peer docs/results/eval-smollm2-b0.2-kvpress-tova.json \\
         --budget 0.2 --against kvtool
+
+Feeds the quality tables: README.md "Quality against the peers" and every table of
+docs/results.md that combines `kvtool eval` files (with `--plot`, docs/results/quality-smollm2-vs-budget.png).
 """
 
 from __future__ import annotations
@@ -43,8 +47,6 @@ class Row:
     kinds: dict[str, dict]
     nll: list[float | None] | None = None  # per prompt: mean NLL per scored reference token
     kv_peak: float | None = None  # the most KV held after any step (files from before it: unknown)
-    lookahead: int = 0  # tokens generated over the prompt before compressing
-    lookahead_hold: float = 0.0  # held meanwhile: 0 the whole prompt, c c times each layer's share
     draft: int = 0  # tokens drafted at the budget to score the prompt again
     draft_rounds: int = 1  # how many times
 
@@ -100,8 +102,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                 rows.append(Row(
                     name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
-                    r.get("kv_peak_fraction"), r.get("lookahead") or 0, r.get("lookahead_hold") or 0.0,
-                    r.get("draft") or 0, r.get("draft_rounds") or 1,
+                    r.get("kv_peak_fraction"), r.get("draft") or 0, r.get("draft_rounds") or 1,
                 ))
     for path in peers:
         doc = read_json(path)
@@ -131,9 +132,6 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 def compresses(row: Row) -> str:
     if row.prompt_only:
         return "prompt only"
-    if row.lookahead:
-        held = f"{row.lookahead_hold:g}x the share" if row.lookahead_hold else "whole prompt"
-        return f"prompt + generation ({held} for {row.lookahead} tokens, then budget held)"
     if row.draft:
         rounds = f", {row.draft_rounds} rounds" if row.draft_rounds > 1 else ""
         return f"prompt + generation (budget held; prompt scored again with a {row.draft}-token draft{rounds})"

@@ -11,6 +11,9 @@ CI has no GPU, so the test suite runs on the CPU; this script is what a session 
     python benchmarks/cuda_check.py --model path/to/SmolLM2.gguf --json cuda.json
 
 Each part reports its own error and the rest still runs; the exit status is 1 if any part failed.
+
+Feeds README.md "On a GPU" and docs/results.md "On a GPU (NVIDIA H200)" (the files
+docs/results/bench-gpu-h200-*.json).
 """
 
 from __future__ import annotations
@@ -64,18 +67,18 @@ def exactness(device: torch.device, shipped) -> dict:
     with torch.no_grad():
         ref = model.generate(**padded(seqs, device), max_new_tokens=NEW, **GREEDY)
         with attach(model, uniform_profile(model, 1.0)) as handle:
-            out = model.generate(**padded(seqs, device), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
+            out = model.generate(**padded(seqs, device), max_new_tokens=NEW, **with_cache(model, handle.bare_cache()), **GREEDY)
         results["budget 1.0 == unmodified"] = bool(torch.equal(ref.sequences, out.sequences))
         recipes = {"kvtool (shipped recipe)": uniform_profile(model, 0.3, shipped.method)}
         # Methods with one ratio in every layer (the per-layer ones need a calibrated profile of this model).
         recipes.update({name: method_profile(name, model, 0.3) for name, m in METHODS.items() if not m.per_layer})
         for name, profile in recipes.items():
             with attach(model, profile) as handle:
-                cache = handle.new_cache()
+                cache = handle.bare_cache()
                 batch = model.generate(**padded(seqs, device), max_new_tokens=NEW, **with_cache(model, cache), **GREEDY)
                 same = True
                 for row, seq in enumerate(seqs):
-                    single = model.generate(**padded([seq], device), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
+                    single = model.generate(**padded([seq], device), max_new_tokens=NEW, **with_cache(model, handle.bare_cache()), **GREEDY)
                     alone = single.sequences[0, len(seq):]
                     same &= bool(torch.equal(alone, batch.sequences[row, -NEW:][: len(alone)]))
                 holds = all(
@@ -95,7 +98,7 @@ def host_waits(model, profile, ids: torch.Tensor, steps: int = 4) -> dict:
 
     lines: collections.Counter = collections.Counter()
     with torch.no_grad(), attach(model, profile) as handle:
-        cache = handle.new_cache()
+        cache = handle.bare_cache()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         torch.cuda.synchronize()

@@ -32,6 +32,9 @@ where eval.json is `kvtool eval --json`'s output on the same data (its `full_out
 
 torch, transformers and kvpress are imported inside functions, so the helpers here can be imported
 and tested where kvpress is not installed.
+
+Feeds the kvpress rows of README.md "Quality against the peers" and docs/results.md (the files
+docs/results/eval-smollm2-b0.2-kvpress-*.json), printed beside kvtool's by benchmarks/compare.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@
 # gigabytes of CUDA libraries. kvpress then brings transformers, accelerate, peft, datasets and
 # pandas (none of them pulls CUDA once torch is there); rouge-score is the ROUGE-L kvtool uses.
 #
+# It produces the kvpress rows of the README's quality table (docs/results.md, "Quality against the peers").
+#
 # `run` finds the model as kvtool converted it (`$KVTOOL_CACHE`, default ~/.cache/kvtool): run any
 # kvtool command on smollm2 once first (e.g. `kvtool generate smollm2 "hi"`) if it is not there.
 set -euo pipefail

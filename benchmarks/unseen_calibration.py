@@ -6,7 +6,10 @@ over by the larger draw, then `kvtool eval --data` each profile on them.
 
     .venv/bin/python benchmarks/unseen_calibration.py --samples 20 --out /tmp/unseen.jsonl
     .venv/bin/kvtool eval smollm2 --data /tmp/unseen.jsonl --budgets 0.2 --methods kvtool \\
-        --profile docs/profiles/smollm2-b0.2-10-samples.yaml --json a.json
+        --profile docs/results/profile-smollm2-b0.2-calibrated-on-10.yaml --json a.json
+
+Feeds docs/results.md "How calibration was tuned, on calibration prompts": every choice there was
+measured on the prompts this script writes, never on the evaluation set.
 """
 
 from __future__ import annotations

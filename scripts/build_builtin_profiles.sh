@@ -3,8 +3,8 @@
 # on 20 of the shipped calibration prompts (seed 0; 10 choose the recipe, 10 confirm it). The
 # command's default is 10 so that a user's calibration stays under 3 minutes on a 2-core CPU; the
 # shipped profiles are built once, and on the 30 calibration prompts neither draw uses, the
-# 20-prompt profiles measured lower PPL than the 10-prompt ones (README, "How firm the choice
-# is"). With --draft-stage: the search's pick and the recipes one generation rule or ratio source
+# 20-prompt profiles measured lower PPL than the 10-prompt ones (docs/results.md, "How calibration
+# was tuned, on calibration prompts"). With the draft stage (`--draft 64,rounds=2,verify,stage`): the search's pick and the recipes one generation rule or ratio source
 # away are measured again as they run, with the draft, and the best ships if the held-out half agrees
 # (calibrate/drafted.py; minutes more than the search, so not the command's default).
 # `kvtool generate MODEL --budget B` picks these up by name: <model alias>-b<budget>.yaml.
@@ -18,6 +18,6 @@ OUT=kvtool/profiles/builtin
 
 # Both write verified drafts (calibrate's default since they were rebuilt). The 0.2 profile is built
 # with the draft stage (about 20 minutes on this machine); the 0.5 one without it, as it was first
-# made (the stage was never checked at 0.5). Add --draft-stage to build it that way too.
-"$KVTOOL" calibrate smollm2 --budget 0.2 --samples 20 --draft-stage --out "$OUT/smollm2-b0.2.yaml"
+# made (the stage was never checked at 0.5). Add `--draft 64,rounds=2,verify,stage` to build it that way too.
+"$KVTOOL" calibrate smollm2 --budget 0.2 --samples 20 --draft 64,rounds=2,verify,stage --out "$OUT/smollm2-b0.2.yaml"
 "$KVTOOL" calibrate smollm2 --budget 0.5 --samples 20 --out "$OUT/smollm2-b0.5.yaml"

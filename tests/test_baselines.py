@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from kvtool.errors import KvtoolError
-from kvtool.profiles import EVICTION_RULES, MERGE_MODES, SELECTION_RULES, save_profile
+from kvtool.profiles import MERGE_MODES, SELECTION_RULES, Draft, save_profile
 from kvtool.runtime import METHODS, attach, load_profile, method_profile
-from kvtool.runtime.eviction import EVICT_RULES
+from kvtool.runtime.eviction import EVICT_RULES, EntryView
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.selection import kept_count
 from kvtool.runtime.importance import decode_attention_with_scores
@@ -52,11 +51,20 @@ def recipe(model, name: str, ratios=RATIOS):
 
 def test_schema_names_match_the_runtime_registries():
     assert set(SELECTION_RULES) == set(SELECT_RULES)
-    assert set(EVICTION_RULES) == set(EVICT_RULES)
     assert set(MERGE_MODES) == set(MERGE_RULES)
     for method in METHODS.values():
         assert method.selection in SELECT_RULES and (method.eviction in EVICT_RULES or method.recipe)
         assert method.merge in MERGE_RULES or (method.merge is None and method.per_layer)
+
+
+def test_a_profile_naming_an_unknown_eviction_rule_is_refused_in_one_line(llama, tmp_path):
+    # The profile layer stores the name; the runtime, which holds the registry, refuses it on load.
+    path = tmp_path / "lru.yaml"
+    save_profile(profile_with(llama, RATIOS), path)
+    path.write_text(path.read_text().replace("eviction: fixed-point", "eviction: lru"))
+    with pytest.raises(KvtoolError, match=rf"{path.name}: method\.eviction must be one of fixed-point, .*got 'lru'") as info:
+        load_profile(path)
+    assert "\n" not in str(info.value)
 
 
 def test_a_profile_naming_the_removed_importance_mean_rule_is_refused(llama, tmp_path):
@@ -177,18 +185,18 @@ def test_h2o_victim_is_the_lowest_score_outside_the_recent_half():
     valid = torch.tensor([[True, True, True, True, True, True, False]])
     order = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])
     score = torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0]])
+    frozen = torch.zeros_like(valid)
     # The layer sets `share` (its plan's keep for the tokens seen) before it asks for a victim.
-    layer = SimpleNamespace(valid=valid, order=order, score=score, seen=6, share=kept_count(0.5, np.array([10])))
+    entries = EntryView(valid, order, frozen, seen=6, share=kept_count(0.5, np.array([10])), score=score)
     # share ceil(0.5 * 10) = 5, recent half = 2: columns 4 and 5 are protected, slot 1 is lowest of the rest.
-    assert HeavyHitter().victim(layer).tolist() == [1]
+    assert HeavyHitter().victim(entries).tolist() == [1]
     # A floor of 8 entries makes the share 8 and the recent half 4: columns 2-5 protected, and of
     # columns 0 and 1 column 0 (5.0) is now the lower.
-    layer.share = kept_count(0.5, np.array([10]), 8)
-    layer.score = torch.tensor([[5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]])
-    assert HeavyHitter().victim(layer).tolist() == [0]
+    entries = entries._replace(share=kept_count(0.5, np.array([10]), 8), score=torch.tensor([[5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]]))
+    assert HeavyHitter().victim(entries).tolist() == [0]
     # Rows with different bounds (a padded batch): each row protects its own newest columns.
-    two = SimpleNamespace(valid=valid.repeat(2, 1), order=order.repeat(2, 1), seen=6, share=np.array([5, 8]),
-                          score=torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0], [5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]]))
+    two = EntryView(valid.repeat(2, 1), order.repeat(2, 1), frozen.repeat(2, 1), seen=6, share=np.array([5, 8]),
+                    score=torch.tensor([[5.0, 0.5, 3.0, 2.0, 0.1, 0.2, -9.0], [5.0, 6.0, 3.0, 2.0, 0.1, 0.2, -9.0]]))
     assert HeavyHitter().victim(two).tolist() == [1, 0]
 
 
@@ -224,20 +232,13 @@ def test_method_profile_settings_and_errors(llama):
     assert method_profile("kvtool", llama, chosen.budget, chosen) == chosen
     held = method_profile("kvtool-prompt-only", llama, chosen.budget, chosen)
     assert held.method == dataclasses.replace(chosen.method, eviction="prompt-only") and held.layers == chosen.layers
-    ahead = method_profile("kvtool-lookahead", llama, chosen.budget, chosen)
-    assert ahead.method == dataclasses.replace(chosen.method, lookahead=8, lookahead_hold=2.0) and ahead.layers == chosen.layers
-    # Baselines compress right after the prompt whatever the calibrated profile holds.
-    looking = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, lookahead=5))
-    assert method_profile("kvtool", llama, chosen.budget, looking).method.lookahead == 5
-    assert all(method_profile(m, llama, chosen.budget, looking).method.lookahead == 0 for m in ("tova", "h2o", "prefixkv"))
-    # A profile's draft runs with the recipe (prompt-only included); kvtool-no-draft and the lookahead drop it.
-    drafted = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, draft=4))
-    assert method_profile("kvtool", llama, chosen.budget, drafted).method.draft == 4
-    assert method_profile("kvtool-prompt-only", llama, chosen.budget, drafted).method.draft == 4
+    # A profile's draft runs with the recipe (prompt-only included); kvtool-no-draft and the baselines drop it.
+    drafted = dataclasses.replace(chosen, method=dataclasses.replace(chosen.method, draft=Draft(4)))
+    assert method_profile("kvtool", llama, chosen.budget, drafted).method.draft == Draft(4)
+    assert method_profile("kvtool-prompt-only", llama, chosen.budget, drafted).method.draft == Draft(4)
     plain = method_profile("kvtool-no-draft", llama, chosen.budget, drafted)
     assert plain.method == chosen.method and plain.layers == chosen.layers
-    assert method_profile("kvtool-lookahead", llama, chosen.budget, drafted).method == ahead.method
-    assert all(method_profile(m, llama, chosen.budget, drafted).method.draft == 0 for m in ("tova", "h2o", "prefixkv", "snapkv"))
+    assert all(method_profile(m, llama, chosen.budget, drafted).method.draft is None for m in ("tova", "h2o", "prefixkv", "snapkv"))
     # prefixkv stays the papers' recipe whatever calibration chose: shared attention-sum, fixed-point.
     papers = method_profile("prefixkv", llama, chosen.budget, chosen).method
     assert (papers.scorer, papers.heads, papers.eviction, papers.recent_share) == ("attention-sum", "shared", "fixed-point", 0.0)

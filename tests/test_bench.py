@@ -15,7 +15,7 @@ from kvtool.bench import BenchConfig, long_prompts, run_bench
 from kvtool.bench.config import MIN_PROMPT_TOKENS
 from kvtool.cli.app import main
 from kvtool.models import load_model
-from kvtool.profiles import save_profile
+from kvtool.profiles import Draft, save_profile
 from kvtool.runtime import uniform_profile
 from kvtool.runtime.layer import GROWTH_SLOTS
 from tiny_models import profile_with, tiny_gemma3
@@ -230,21 +230,22 @@ def test_a_draft_profile_benches_at_the_same_memory(capsys, monkeypatch, tiny_ll
 
     base = profile_with(tiny.model, [0.2, 0.6])
     plain = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(base, tmp_path / "plain.yaml")))
-    drafted = dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3))
+    drafted = dataclasses.replace(base, method=dataclasses.replace(base.method, draft=Draft(3)))
     report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(drafted, tmp_path / "draft.yaml")))
     assert report["compressed"]["kv_slots"] == plain["compressed"]["kv_slots"]
     assert report["compressed"]["kv_bytes"] == plain["compressed"]["kv_bytes"]
-    rounds = dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3, draft_rounds=2))
+    rounds = dataclasses.replace(base, method=dataclasses.replace(base.method, draft=Draft(3, rounds=2)))
     report = bench_json(capsys, monkeypatch, tiny_llama_dir, "--profile", str(save_profile(rounds, tmp_path / "rounds.yaml")))
     assert report["compressed"]["kv_slots"] == plain["compressed"]["kv_slots"]
 
 
-def test_each_draft_round_is_a_prompt_pass_of_the_bench(tiny) -> None:
-    """`run_once` with a draft: one prompt forward, then per round the draft's steps and one prompt
-    forward over prompt + draft, all before the first timed decode step."""
+def test_each_draft_round_is_timed_in_the_prompt_phase_of_the_bench(tiny) -> None:
+    """`run_once` with a draft: one prompt forward, then per round the draft's steps and one forward
+    of the draft's rows over the held prompt (never the prompt again), all before the first timed
+    decode step."""
     import dataclasses
 
-    from kvtool.bench.measure import DraftRun, run_once
+    from kvtool.bench.measure import run_once
     from kvtool.runtime import attach
 
     profile = profile_with(tiny.model, [0.2, 0.6])
@@ -253,39 +254,39 @@ def test_each_draft_round_is_a_prompt_pass_of_the_bench(tiny) -> None:
         widths = []
         hook = tiny.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         try:
-            with attach(tiny.model, dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=3))) as handle:
-                run_once(tiny.model, ids, 4, handle.new_cache, draft=DraftRun(3, rounds))
+            with attach(tiny.model, dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=Draft(3)))) as handle:
+                run_once(tiny.model, ids, 4, handle.bare_cache, draft=Draft(3, rounds))
         finally:
             hook.remove()
-        assert widths == [30] + [1, 1, 33] * rounds + [1] * 4
+        assert widths == [30] + [1, 1, 3] * rounds + [1] * 4
 
 
 def test_a_verified_draft_round_drafts_from_the_last_rounds_prefix(tiny) -> None:
-    """With `draft_verify`, the bench's second draft is the one `kvtool.scoring.draft` drafts: the
+    """With a verified draft, the bench's second draft is the one `kvtool.runtime.draft` drafts: the
     first round's verified prefix, then greedy through the cache that round scored."""
     import dataclasses
 
-    from kvtool.bench.measure import DraftRun, run_once
+    from kvtool.bench.measure import run_once
     from kvtool.runtime import attach
-    from kvtool.scoring import drafted_prompt, left_pad
-    from kvtool.scoring.draft import drafted
+    from kvtool.runtime.draft import drafted, prepare
+    from kvtool.scoring import left_pad
 
     profile = profile_with(tiny.model, [0.2, 0.6])
-    profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=6, draft_rounds=2, draft_verify=True))
+    profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=Draft(6, 2, verify=True)))
     ids = torch.randint(3, tiny.model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
     scored = []
     hook = tiny.model.register_forward_pre_hook(
-        lambda _, args, kwargs: scored.append(kwargs["input_ids"][:, 30:].clone()) if kwargs["input_ids"].shape[1] == 36 else None,
+        lambda _, args, kwargs: scored.append(kwargs["input_ids"].clone()) if kwargs["input_ids"].shape[1] == 6 else None,
         with_kwargs=True,
     )
     try:
         with torch.no_grad(), attach(tiny.model, profile) as handle:
-            run_once(tiny.model, ids, 2, handle.new_cache, draft=DraftRun(6, 2, verify=True))
+            run_once(tiny.model, ids, 2, handle.bare_cache, draft=Draft(6, 2, verify=True))
     finally:
         hook.remove()
     with torch.no_grad(), attach(tiny.model, profile) as handle:
         batch = left_pad(ids.tolist(), (0, 1), 0)
-        cache, first, prefix = drafted_prompt(tiny.model, batch, handle.new_cache, 6, 1, verify=True)
-        second = drafted(tiny.model, cache, first, batch, 6, prefix)
+        ready = prepare(tiny.model, batch, handle.bare_cache, Draft(6, 1, verify=True))
+        second = drafted(tiny.model, ready.cache, ready.first_logits, batch, 6, ready.prefix)
     assert len(scored) == 2
     assert torch.equal(scored[1], second)

@@ -172,9 +172,7 @@ def test_written_profile_loads_and_attaches(tiny: LoadedModel, tmp_path: Path) -
     handle = attach(tiny.model, profile)
     try:
         ids = torch.tensor([[1, 5, 9, 12, 7, 8, 30, 31, 32, 33, 34, 35, 36, 37, 38, 40, 41, 42]])
-        sequences = tiny.model.generate(
-            input_ids=ids, **with_cache(tiny.model, handle.new_cache()), max_new_tokens=5, do_sample=False, pad_token_id=0
-        )
+        sequences = handle.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert sequences.shape == (1, ids.shape[1] + 5)
     finally:
         handle.detach()
@@ -192,21 +190,20 @@ def test_sliding_window_layers_are_left_alone() -> None:
             assert layer.compress and layer.priority_curve
     assert compressed_ratios(profile).mean() == pytest.approx(0.25, abs=1e-12)
     # A draft's rows would stay in the sliding-window layers (transformers' own): hybrid models get none.
-    assert profile.method.draft == 0
+    assert profile.method.draft is None
 
 
 def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -> None:
     from kvtool.calibrate.config import DEFAULT_DRAFT
+    from kvtool.profiles import Draft
 
-    from kvtool.calibrate.config import DEFAULT_DRAFT_ROUNDS
-
-    assert DEFAULT_DRAFT > 0 and DEFAULT_DRAFT_ROUNDS >= 1
+    assert DEFAULT_DRAFT.tokens > 0 and DEFAULT_DRAFT.rounds >= 1
     method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=()).profile.method
-    assert (method.draft, method.draft_rounds) == (DEFAULT_DRAFT, DEFAULT_DRAFT_ROUNDS)
-    method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=0).profile.method
-    assert (method.draft, method.draft_rounds) == (0, 1)  # no draft, no rounds written
+    assert method.draft == DEFAULT_DRAFT
+    method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=None).profile.method
+    assert method.draft is None  # no draft, nothing written
     with pytest.raises(KvtoolError, match="draft rounds must be an integer >= 1"):
-        calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft_rounds=0)
+        calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=Draft(4, rounds=0))
 
 
 def test_long_prompts_are_cut_to_max_prompt_tokens(tiny: LoadedModel) -> None:

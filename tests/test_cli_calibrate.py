@@ -119,7 +119,7 @@ def test_draft_stage_is_shown_and_recorded(
     out = tmp_path / "tmp.yaml"
     code, stdout, stderr = run(
         monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
-        "--data", str(data_file), "--out", str(out), "--draft", "4", "--draft-stage",
+        "--data", str(data_file), "--out", str(out), "--draft", "4,stage",
         "--space", "recent_shares=0", "--space", "pools=3",
     )
     assert code == 0, stderr
@@ -132,7 +132,7 @@ def test_draft_stage_is_shown_and_recorded(
     out.unlink()
     code, _, stderr = run(
         monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
-        "--data", str(data_file), "--out", str(out), "--draft", "0", "--draft-stage",
+        "--data", str(data_file), "--out", str(out), "--draft", "0,stage",
     )
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and "needs --draft above 0" in stderr and not out.exists()
 
@@ -214,29 +214,18 @@ def test_reference_tokens_default_is_the_library_default() -> None:
     assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS
 
 
-def test_lookahead_default_is_the_library_default_and_reaches_the_profile(
-    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch, capsys
-) -> None:
-    import inspect
+def test_calibrate_help_lists_at_most_twelve_options() -> None:
+    """The options a user reads in `kvtool calibrate --help` (help itself aside): the draft is one
+    option, and what was measured as no better (lookahead, reused drafts) is gone."""
+    import typer
 
-    from kvtool.calibrate.config import DEFAULT_LOOKAHEAD
-    from kvtool.cli.calibrate import calibrate_command
+    from kvtool.cli.app import _register, app
 
-    assert inspect.signature(calibrate_command).parameters["lookahead"].default == DEFAULT_LOOKAHEAD
-    out = tmp_path / "p.yaml"
-    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--lookahead", "3", "--lookahead-hold", "2", "--draft", "0",
-                       "--out", str(out))
-    assert code == 0, err
-    assert (read_profile(out).method.lookahead, read_profile(out).method.lookahead_hold) == (3, 2.0)
-    code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "lookahead 3 tokens (2x each layer's share held until then)" in " ".join(shown.split())
-    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--lookahead-hold", "0.5",
-                       "--out", str(tmp_path / "q.yaml"))
-    assert code == 2 and "lookahead hold" in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()
-    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--lookahead", "-1",
-                       "--out", str(tmp_path / "q.yaml"))
-    assert code == 2 and "lookahead" in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()
+    _register()
+    command = typer.main.get_command(app).commands["calibrate"]
+    options = [p.opts[0] for p in command.params if p.param_type_name == "option" and p.name != "help"]
+    assert len(options) <= 12, options
+    assert not any(name.startswith(("--lookahead", "--draft-")) for name in options)
 
 
 def test_malformed_data_line_is_named(tiny_llama_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
@@ -346,43 +335,36 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
 ) -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_DRAFT, DEFAULT_DRAFT_REUSE, DEFAULT_DRAFT_ROUNDS, DEFAULT_DRAFT_VERIFY
-    from kvtool.cli.calibrate import calibrate_command
+    from kvtool.calibrate.config import DEFAULT_DRAFT
+    from kvtool.cli.calibrate import calibrate_command, parse_draft
+    from kvtool.profiles import Draft
 
-    assert inspect.signature(calibrate_command).parameters["draft"].default == DEFAULT_DRAFT
-    assert inspect.signature(calibrate_command).parameters["draft_rounds"].default == DEFAULT_DRAFT_ROUNDS
-    assert inspect.signature(calibrate_command).parameters["draft_verify"].default == DEFAULT_DRAFT_VERIFY
-    assert inspect.signature(calibrate_command).parameters["draft_reuse"].default == DEFAULT_DRAFT_REUSE
+    assert parse_draft(inspect.signature(calibrate_command).parameters["draft"].default) == (DEFAULT_DRAFT, False)
+    assert parse_draft("32") == (Draft(32, DEFAULT_DRAFT.rounds, DEFAULT_DRAFT.verify), False)  # the rest as the default
+    assert parse_draft("8,rounds=1,no-verify,stage") == (Draft(8), True)
+    assert parse_draft("none") == (None, False) and parse_draft("0") == (None, False)
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6", "--draft-rounds", "3", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "6,rounds=3", "--out", str(out))
     assert code == 0, err
-    method = read_profile(out).method
-    assert (method.draft, method.draft_rounds, method.draft_verify, method.lookahead) == (6, 3, True, 0)
+    assert read_profile(out).method.draft == Draft(6, 3, verify=True)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
     assert code == 0 and "prompt scored again with a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
-    assert method.draft_reuse is DEFAULT_DRAFT_REUSE
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6", "--draft-reuse", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "6,no-verify", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft_reuse is True
-    code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "verified, its keys and values reused" in " ".join(shown.split())
+    assert read_profile(out).method.draft == Draft(6, DEFAULT_DRAFT.rounds, verify=False)
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6", "--no-draft-verify", "--draft-reuse",
-                       "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "none", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft_verify is False
-    assert read_profile(out).method.draft_reuse is False  # nothing verified, nothing to reuse
-    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "0", "--out", str(out))
-    assert code == 0, err
-    assert read_profile(out).method.draft_verify is False  # nothing to verify without a draft
+    assert read_profile(out).method.draft is None and "draft" not in out.read_text().split("calibration:")[0]
     for bad, says in (
-        (["--draft", "-2"], "draft must be"),
-        (["--draft-rounds", "0"], "draft rounds must be an integer >= 1"),
-        (["--lookahead", "2"], "ask for --draft 0 with a lookahead"),
+        (["--draft", "-2"], "--draft takes TOKENS"),
+        (["--draft", "6,rounds=0"], "--draft rounds must be at least 1"),
+        (["--draft", "6,reuse"], "--draft takes TOKENS"),
+        (["--lookahead", "2"], "No such option"),
     ):
         code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", *bad,
                            "--out", str(tmp_path / "q.yaml"))
         assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()
+

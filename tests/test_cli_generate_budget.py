@@ -58,22 +58,6 @@ def test_profile_file_is_used(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert str(path) in out["cache"] and out["kv_bytes"] < out["kv_bytes_full"]
 
 
-def test_lookahead_profile_through_the_cli(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """A lookahead longer than the generation never compresses (the full cache's text), and the
-    report says the whole prompt is held; a short one compresses after it."""
-    import dataclasses
-
-    full = generate_json(tiny_llama_dir)
-    base = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
-    paths = {}
-    for k in (20, 3):
-        profile = dataclasses.replace(base, method=dataclasses.replace(base.method, lookahead=k))
-        paths[k] = save_profile(profile, tmp_path / f"look{k}.yaml")
-    longer, short = (generate_json(tiny_llama_dir, "--profile", str(paths[k])) for k in (20, 3))
-    assert longer["outputs"] == full["outputs"] and "lookahead 20 tokens (the whole prompt held" in longer["cache"]
-    assert short["kv_bytes"] < 0.6 * short["kv_bytes_full"] and "lookahead 3 tokens" in short["cache"]
-
-
 def test_profile_for_another_model_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import sys
 

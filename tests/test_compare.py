@@ -116,18 +116,15 @@ def test_labelled_files_sit_side_by_side_with_paired_nll(compare, tmp_path, caps
     assert compare.labelled("C:/x.json") == (Path("C:/x.json"), None)
 
 
-def test_lookahead_rows_say_so_and_show_their_peak(compare, tmp_path, capsys):
+def test_rows_show_their_peak(compare, tmp_path, capsys):
     doc = kvtool_doc()
-    doc["results"][0].update(kv_peak_fraction=0.97, lookahead=8)
-    doc["results"][1].update(kv_peak_fraction=0.21, lookahead=0)
+    doc["results"][0].update(kv_peak_fraction=0.97)
+    doc["results"][1].update(kv_peak_fraction=0.21)
     compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
     out = capsys.readouterr().out
-    assert "| kvtool | prompt + generation (whole prompt for 8 tokens, then budget held) | 1.700 |" in out
+    assert "| kvtool | prompt + generation (budget held) | 1.700 |" in out
     assert "| 0.750 | 20.0% | 97.0% |" in out
     assert "| h2o | prompt + generation (budget held) | 2.000 |" in out and "| 20.0% | 21.0% |" in out
-    doc["results"][0].update(lookahead_hold=2.0)
-    compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
-    assert "| kvtool | prompt + generation (2x the share for 8 tokens, then budget held) |" in capsys.readouterr().out
 
 
 def test_draft_rows_say_so(compare, tmp_path, capsys):

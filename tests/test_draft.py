@@ -13,16 +13,24 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
+from kvtool.profiles import Draft
 from kvtool.runtime import KvtoolCache, attach
-from kvtool.scoring import draft_prompt_forward, left_pad, prompt_forward, step_tokens
-from kvtool.scoring.draft import drafted, with_draft
+from kvtool.runtime.draft import drafted, prepare, with_draft
+from kvtool.scoring import left_pad, prompt_forward, step_tokens
 from test_runtime_rules import RATIOS, recipe_profile, rules_plans
 from tiny_models import profile_with, prompts, tiny_gemma3, tiny_llama
 
 K = 5
+
+
+def draft_prompt_forward(model, batch, make_cache, tokens, rounds=1):
+    """The prepared cache and the prompt's last logits (`runtime.draft.prepare`; `tokens` 0: no draft)."""
+    ready = prepare(model, batch, make_cache, Draft(tokens, rounds) if tokens else None)
+    return ready.cache, ready.first_logits
 RULES = {
     "shared-window-tova": dict(heads="shared", scorer="window", window=4, pool=3, evict="tova"),
     "per-head-union-h2o": dict(heads="per-head", scorer="union", window=6, pool=7, evict="heavy-hitter"),
@@ -105,6 +113,48 @@ def test_a_later_round_drafts_through_the_cache_the_last_round_scored(llama):
     assert any(changed)  # a later round's draft changes what is kept somewhere
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_prompt_runs_once_and_the_draft_reads_it_held(llama, verify):
+    """Two rounds: one forward of the prompt's width, then per round only one-token steps and one
+    forward of the draft's rows; its logits are those of the prompt's forward with the draft appended
+    (what verification reads), and no cache keeps the held prompt once it is prepared."""
+    profile = recipe_profile(llama)
+    plans = rules_plans(profile, **RULES["per-head-union-h2o"])
+    batch = left_pad([s.tolist() for s in prompts([40, 26], seed=5)], (0, 1), 0)
+    widths = []
+    hook = llama.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        with torch.no_grad(), attach(llama, profile):
+            ready = prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, verify))
+    finally:
+        hook.remove()
+    width = batch.input_ids.shape[1]
+    assert widths.count(width) == 1 and widths.count(K) == 2 and set(widths) == {width, K, 1}
+    assert all(layer.held is None for layer in ready.cache.layers)
+    if verify:
+        assert ready.prefix is not None and (ready.prefix.lengths >= 1).all()
+
+
+def test_the_draft_rows_logits_equal_the_appended_forward(llama):
+    """The draft's forward over the held prompt gives the logits the prompt's forward with the draft
+    appended gives at the draft's positions (full attention over the whole prompt)."""
+    from kvtool.runtime.draft import draft_logits
+    from kvtool.runtime.held import HeldCache
+    from kvtool.runtime.steps import prompt_logits
+
+    profile = recipe_profile(llama)
+    plans = rules_plans(profile, **RULES["shared-window-tova"])
+    batch = left_pad([s.tolist() for s in prompts([33, 21], seed=9)], (0, 1), 0)
+    draft = torch.randint(3, 90, (2, K), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), attach(llama, profile):
+        cache = KvtoolCache(llama.config, plans)
+        cache.hold_prompt()
+        prompt_forward(llama, batch, cache)
+        held = draft_logits(llama, batch, draft, HeldCache(llama.config, cache.take_held()), K)
+        appended = prompt_logits(llama, with_draft(batch, draft), DynamicCache(config=llama.config), K)
+    assert (held - appended).abs().max().item() < 1e-4
+
+
 def test_no_draft_is_the_plain_prompt_forward(llama):
     profile = recipe_profile(llama)
     plans = rules_plans(profile, **RULES["shared-window-tova"])
@@ -138,16 +188,13 @@ def test_padded_batch_equals_single_runs(llama, case, rounds):
                 assert layer.kept[i] == alone_cache.layers[index].kept[0]  # the budget, held through the steps
 
 
-def test_a_draft_cannot_be_set_late_or_with_a_lookahead(llama):
+def test_a_draft_cannot_be_set_late(llama):
     profile = recipe_profile(llama)
     cache = KvtoolCache(llama.config, rules_plans(profile))
     with torch.no_grad(), attach(llama, profile):
         llama(input_ids=prompts([12])[0][None], use_cache=True, **with_cache(llama, cache))
     with pytest.raises(KvtoolError, match="before the prompt"):
         cache.set_draft(3)
-    looking = KvtoolCache(llama.config, rules_plans(profile, lookahead=2))
-    with pytest.raises(KvtoolError, match="draft and a lookahead"):
-        looking.set_draft(3)
     with pytest.raises(KvtoolError, match="draft tokens must be an integer >= 0"):
         KvtoolCache(llama.config, rules_plans(profile)).set_draft(-1)
 
@@ -174,7 +221,7 @@ def test_generate_with_a_draft_is_the_two_pass_greedy_text(tiny_llama_dir, round
     new = 12
     with attach(model, profile) as handle:
         result = generate(
-            model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K, draft_rounds=rounds
+            model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=Draft(K, rounds)
         )
         plain = generate(model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache)
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in format_prompts(tokenizer, texts)]
@@ -201,15 +248,54 @@ def test_draft_profile_through_the_cli(tiny_llama_dir, tmp_path):
     from test_cli_generate_budget import generate_json
 
     base = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
-    path = save_profile(dataclasses.replace(base, method=dataclasses.replace(base.method, draft=3)), tmp_path / "draft.yaml")
+    path = save_profile(dataclasses.replace(base, method=dataclasses.replace(base.method, draft=Draft(3))), tmp_path / "draft.yaml")
     shown = generate_json(tiny_llama_dir, "--profile", str(path))
     assert "prompt scored again with a 3-token draft" in shown["cache"] and "rounds" not in shown["cache"]
     assert shown["kv_bytes"] < 0.6 * shown["kv_bytes_full"]
-    method = dataclasses.replace(base.method, draft=3, draft_rounds=2)
+    method = dataclasses.replace(base.method, draft=Draft(3, rounds=2))
     path = save_profile(dataclasses.replace(base, method=method), tmp_path / "rounds.yaml")
-    assert "draft_rounds: 2" in path.read_text()
+    assert "draft: {tokens: 3, rounds: 2, verify: false}" in path.read_text()
     shown = generate_json(tiny_llama_dir, "--profile", str(path))
     assert "prompt scored again with a 3-token draft (2 rounds)" in shown["cache"]
+
+
+@pytest.mark.parametrize("draft", [Draft(4, rounds=2, verify=True), Draft(5), None], ids=["verified", "one-round", "none"])
+def test_the_cli_and_the_python_api_give_the_same_answer(tiny_llama_dir, tmp_path, draft):
+    """`kvtool generate --profile P` and `attach(model, P).generate(...)` write the same tokens, with
+    the profile's draft or without; a bare cache (`new_cache`) is refused for a draft profile rather
+    than silently skipping its draft."""
+    import dataclasses
+
+    from kvtool.models import load_model
+    from kvtool.models.loader import eos_token_ids
+    from kvtool.models.prompts import format_prompts
+    from kvtool.profiles import save_profile
+    from test_cli_generate_budget import PROMPTS, generate_json
+
+    loaded = load_model(str(tiny_llama_dir))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    profile = profile_with(model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
+                           sink_tokens=0, recent_window=1)
+    profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=draft))
+    shown = generate_json(tiny_llama_dir, "--profile", str(save_profile(profile, tmp_path / "p.yaml")))
+
+    inputs = tokenizer(format_prompts(tokenizer, PROMPTS), return_tensors="pt", padding=True, add_special_tokens=False)
+    eos = eos_token_ids(model, tokenizer)
+    with attach(model, profile) as handle:
+        out = handle.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        if draft is not None:
+            with pytest.raises(KvtoolError, match="call handle.generate") as refused:
+                handle.new_cache()
+            assert "\n" not in str(refused.value)
+            plain = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                   **with_cache(model, handle.bare_cache()))
+    texts = []
+    for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    assert texts == shown["outputs"]
+    if draft is not None:
+        assert not torch.equal(out, plain)  # the draft changed the answer: the Python path applied it
 
 
 def tiny_generate_case(tiny_llama_dir):

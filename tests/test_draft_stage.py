@@ -1,7 +1,7 @@
 """The draft stage of calibration: the search's pick and its one-rule neighbours measured with the draft.
 
-`drafted_ppls` is checked against an independent route (each prompt alone, drafted by transformers'
-`generate` as `kvtool generate` drafts, then teacher-forced); the choice rule against hand-made
+`drafted_ppls` is checked against another route (each prompt alone, unpadded, drafted as `kvtool
+generate` drafts it, then teacher-forced); the choice rule against hand-made
 numbers; a calibration run with the stage records what it measured and ships what the rule picks.
 """
 
@@ -18,9 +18,10 @@ from kvtool.calibrate.passes import drafted_ppls, full_pass
 from kvtool.calibrate.recipes import RecipeSearch, SearchSpace, Trial, recipe_key
 from kvtool.calibrate.runner import calibrate
 from kvtool.errors import KvtoolError
-from kvtool.profiles import MethodSettings
+from kvtool.profiles import Draft, MethodSettings
 from kvtool.runtime import attach, uniform_profile
-from kvtool.runtime.generate import drafted_cache
+from kvtool.runtime.draft import prepare
+from kvtool.runtime.steps import Prompt
 from kvtool.scoring import encode_batches, teacher_forced_nll
 from test_calibrate import loaded, sharpened_llama, word_prompts
 
@@ -47,14 +48,14 @@ def kinds(count: int):
 
 def test_drafted_ppl_is_each_prompt_alone_drafted_by_generate(tiny) -> None:
     """A padded batch of prompts, each recipe's caches one after another, gives the PPL of each prompt
-    run alone through `generate`'s draft (two rounds) and teacher-forced: the same mean of per-prompt
-    mean NLLs."""
+    run alone, unpadded, through the draft (two rounds, prepared from the tokenizer's inputs as
+    `generate` prepares them) and teacher-forced: the same mean of per-prompt mean NLLs."""
     method = MethodSettings(scorer="union", window=4, pool=3, heads="per-head", eviction="heavy-hitter")
     records = word_prompts(3, seed=5)
     batches, answers = encode_batches(tiny, records, max_tokens=200, method=method, batch_size=3)
     states = full_pass(tiny.model, tiny.tokenizer, batches, answers, method, reference_tokens=7, with_references=True).states
     profiles = [
-        uniform_profile(tiny.model, budget, dataclasses.replace(method, eviction=rule, draft=4, draft_rounds=2))
+        uniform_profile(tiny.model, budget, dataclasses.replace(method, eviction=rule, draft=Draft(4, rounds=2)))
         for budget, rule in ((0.3, "heavy-hitter"), (0.5, "tova"))
     ]
     together = drafted_ppls(tiny.model, profiles, states)
@@ -67,9 +68,7 @@ def test_drafted_ppl_is_each_prompt_alone_drafted_by_generate(tiny) -> None:
                 real = state.batch.attention_mask[row].bool()
                 ids = state.batch.input_ids[row][real][None]
                 inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-                cache, _, _ = drafted_cache(
-                    tiny.model, inputs, handle.new_cache, 4, {"do_sample": False, "pad_token_id": tiny.tokenizer.pad_token_id}, 2
-                )
+                cache = prepare(tiny.model, Prompt.of(inputs), handle.bare_cache, profile.method.draft).cache
                 first = tiny.model(input_ids=ids).logits[:, -1]
                 alone = dataclasses.replace(
                     state.batch, input_ids=ids, attention_mask=inputs["attention_mask"],
@@ -123,7 +122,7 @@ def test_candidates_are_the_pick_and_its_measured_one_rule_neighbours() -> None:
 def test_a_calibration_with_the_draft_stage_records_and_ships_its_choice(tiny) -> None:
     run = calibrate(
         tiny, 0.3, data=kinds(8), samples=4, seed=1, reference_tokens=6, candidates=(8,), search=SPACE,
-        draft=4, draft_rounds=2, draft_stage=True,
+        draft=Draft(4, rounds=2), draft_stage=True,
     )
     chosen, info = run.recipes, run.profile.calibration
     stage = chosen.drafted
@@ -139,12 +138,12 @@ def test_a_calibration_with_the_draft_stage_records_and_ships_its_choice(tiny) -
     assert recipe_key(run.profile.method) == recipe_key(stage.picked) == recipe_key(
         pick_drafted(chosen.picked, stage.candidates, stage.choosing, stage.held_out)
     )
-    assert run.profile.method.draft == 4 and run.profile.method.draft_rounds == 2
+    assert run.profile.method.draft == Draft(4, rounds=2)
     assert info.ppl_compressed == chosen.search.ppl_of(stage.picked)
 
 
 def test_the_draft_stage_needs_a_draft_and_a_search(tiny) -> None:
     with pytest.raises(KvtoolError, match="needs --draft above 0"):
-        calibrate(tiny, 0.3, data=kinds(4), samples=4, draft=0, draft_stage=True)
+        calibrate(tiny, 0.3, data=kinds(4), samples=4, draft=None, draft_stage=True)
     with pytest.raises(KvtoolError, match="needs the search"):
         calibrate(tiny, 0.3, data=kinds(4), samples=4, search=None, draft_stage=True)

@@ -13,15 +13,21 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvtool.profiles import Draft
 from kvtool.runtime import KvtoolCache, attach
-from kvtool.runtime.verified import ForcedPrefix, Verified, verified_prefix
-from kvtool.scoring import drafted_prompt, left_pad, prompt_forward, step_tokens
-from kvtool.scoring.draft import drafted
+from kvtool.runtime.draft import ForcedPrefix, Verified, drafted, prepare, verified_prefix
+from kvtool.scoring import left_pad, prompt_forward, step_tokens
 from test_draft import RULES, kept_columns, tiny_generate_case
 from test_runtime_rules import recipe_profile, rules_plans
 from tiny_models import prompts, tiny_llama
 
 K = 8
+
+
+def drafted_prompt(model, batch, make_cache, tokens, rounds, verify):
+    """The prepared cache, the prompt's last logits and the verified prefix (`runtime.draft.prepare`)."""
+    ready = prepare(model, batch, make_cache, Draft(tokens, rounds, verify))
+    return ready.cache, ready.first_logits, ready.prefix
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +120,7 @@ def test_a_verified_round_keeps_what_its_draft_scores(llama):
     profile = recipe_profile(llama, ratios=[0.3, 0.25, 0.35])
     make = lambda: KvtoolCache(llama.config, rules_plans(profile, **RULES["per-head-union-h2o"]))  # noqa: E731
     batch = left_pad([s.tolist() for s in prompts([41, 30], seed=4)], (0, 1), 0)
-    from kvtool.scoring.draft import with_draft
+    from kvtool.runtime.draft import with_draft
 
     with torch.no_grad(), attach(llama, profile):
         one, first, prefix = drafted_prompt(llama, batch, make, K, 1, verify=True)
@@ -147,8 +153,7 @@ def test_generate_writes_the_prefix_then_the_compressed_caches_greedy_tokens(tin
     new = 12
     with attach(model, profile) as handle:
         result = generate(
-            model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=K,
-            draft_rounds=rounds, draft_verify=True,
+            model, tokenizer, texts, max_new_tokens=new, cache_factory=handle.new_cache, draft=Draft(K, rounds, verify=True),
         )
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in format_prompts(tokenizer, texts)]
         batch = left_pad(ids, (0, 1), tokenizer.pad_token_id)

@@ -115,3 +115,16 @@ def test_function_local_imports_only_where_they_keep_help_fast():
         for line in local_imports(path)
     ]
     assert not hidden, "function-local kvtool imports outside kvtool/cli:\n" + "\n".join(hidden)
+
+
+def test_rules_never_import_the_cache_layer():
+    # The layer imports its rules; they see its entries through read-only views (eviction.EntryView,
+    # selection's and merging's tensors, importance's PromptScores), never the layer itself.
+    rules = [p for name in ("eviction", "selection", "merge", "importance") for p in (ROOT / "runtime" / name).glob("*.py")]
+    against = [
+        f"{path.relative_to(ROOT.parent)}:{line} imports {target}"
+        for path in rules
+        for line, target in imported(path)
+        if target == "kvtool.runtime.layer" or target.startswith("kvtool.runtime.layer.")
+    ]
+    assert rules and not against, "rules importing the layer:\n" + "\n".join(against)

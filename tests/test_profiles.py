@@ -26,6 +26,7 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import (
     SCHEMA_VERSION,
     CalibrationInfo,
+    Draft,
     LayerProfile,
     MethodSettings,
     ModelFingerprint,
@@ -294,11 +295,10 @@ def test_validate_profile_accepts_good_profile(profile: Profile) -> None:
         (lambda p: {"method": MethodSettings(merge="mean")}, ("method.merge", "'mean'")),
         (lambda p: {"method": MethodSettings(sink_tokens=-1)}, ("method.sink_tokens", ">= 0")),
         (lambda p: {"method": MethodSettings(selection="random")}, ("method.selection", "'random'")),
-        (lambda p: {"method": MethodSettings(eviction="lru")}, ("method.eviction", "'lru'")),
         (lambda p: {"schema_version": 7}, ("schema_version 7", "supported")),
         (lambda p: {"budget": float("nan")}, ("budget.kept_fraction", "finite")),
     ],
-    ids=["layer-count", "ratio-zero", "merge", "negative-sink", "selection", "eviction", "version", "nan-budget"],
+    ids=["layer-count", "ratio-zero", "merge", "negative-sink", "selection", "version", "nan-budget"],
 )
 def test_validate_profile_rejects(profile: Profile, change: Callable[[Profile], dict], fragments: tuple[str, ...]) -> None:
     bad = Profile(**{**vars(profile), **change(profile)})
@@ -576,6 +576,60 @@ def test_legacy_key_is_known_to_typo_suggestions(tmp_path: Path, good_document: 
     with pytest.raises(KvtoolError) as info:
         read_profile(write_document(tmp_path / "p.yaml", good_document))
     assert_one_line_error(info.value, "unknown field calibration.curve_importanc", "did you mean curve_importance?")
+
+
+OLD_METHOD_KEYS = {"lookahead": 8, "lookahead_hold": 2.0, "draft": 64, "draft_rounds": 2, "draft_verify": True, "draft_reuse": True}
+
+
+def test_an_old_profile_with_retired_and_flat_draft_keys_loads(
+    tmp_path: Path, good_document: dict, profile: Profile
+) -> None:
+    """A profile written before the draft became one value and the lookahead and reused drafts were
+    retired loads through the legacy-keys table: the flat draft keys become `Draft`, the retired
+    keys are dropped, and saving writes today's form only."""
+    good_document["method"].update(OLD_METHOD_KEYS)
+    loaded = read_profile(write_document(tmp_path / "old.yaml", good_document))
+    assert loaded.method.draft == Draft(tokens=64, rounds=2, verify=True)
+    assert loaded == dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=Draft(64, 2, True)))
+    text = save_profile(loaded, tmp_path / "new.yaml").read_text(encoding="utf-8")
+    assert "  draft: {tokens: 64, rounds: 2, verify: true}\n" in text
+    assert not any(key in text for key in ("lookahead", "draft_rounds", "draft_verify", "draft_reuse"))
+    assert read_profile(tmp_path / "new.yaml") == loaded
+
+
+@pytest.mark.parametrize(
+    ("old", "draft"),
+    [
+        ({"draft": 5}, Draft(5)),
+        ({"draft": 0, "draft_rounds": 3, "draft_verify": True}, None),  # draft 0 was "no draft"
+        ({"draft_rounds": 2}, None),  # rounds of no draft
+        ({"lookahead": 3}, None),
+        ({"draft": None, "lookahead_hold": None}, None),
+    ],
+)
+def test_old_draft_keys_become_the_draft_value(
+    tmp_path: Path, good_document: dict, old: dict, draft: Draft | None
+) -> None:
+    good_document["method"].update(old)
+    assert read_profile(write_document(tmp_path / "old.yaml", good_document)).method.draft == draft
+
+
+@pytest.mark.parametrize(
+    ("old", "problem"),
+    [
+        ({"draft_rounds": 0}, "method.draft_rounds must be >= 1, got 0"),
+        ({"lookahead": -1}, "method.lookahead must be >= 0, got -1"),
+        ({"draft_reuse": "yes"}, "method.draft_reuse must be true or false"),
+        ({"draft_rounds": 2, "draft": {"tokens": 4}}, "method.draft_rounds is the old form of method.draft"),
+        ({"draft": {"rounds": 2}}, "missing field method.draft.tokens"),
+        ({"draft": {"tokens": 0}}, "method.draft.tokens must be >= 1, got 0"),
+    ],
+)
+def test_bad_draft_values_are_refused_in_one_line(tmp_path: Path, good_document: dict, old: dict, problem: str) -> None:
+    good_document["method"].update(old)
+    with pytest.raises(KvtoolError) as info:
+        read_profile(write_document(tmp_path / "p.yaml", good_document))
+    assert_one_line_error(info.value, problem)
 
 
 BUILTIN_FILES = sorted((Path(profile_io.__file__).parent / "builtin").glob("*.yaml"))

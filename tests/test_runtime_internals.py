@@ -39,27 +39,27 @@ def eager_column_sums(model, ids: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("path", ["cpu-blocks", "portable-chunks"])
 @pytest.mark.parametrize("lengths", [[33], [33, 20, 27]], ids=["unpadded", "padded"])
 def test_chunked_importance_equals_eager_column_sums(llama, lengths, path, monkeypatch):
-    from kvtool.runtime import importance
+    from kvtool.runtime.importance import block_size, chunked, cpu_path
 
     # Tiny blocks and chunks so every prompt really is scored in several of them; the spies check it.
-    monkeypatch.setattr(importance, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(importance, "CHUNK_ELEMENTS", 500)
+    monkeypatch.setattr(block_size, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 500)
     if path == "portable-chunks":
-        monkeypatch.setattr(importance, "_blocked_applies", lambda query: False)
+        monkeypatch.setattr(cpu_path, "applies", lambda query: False)
     split = []  # (rows per block, rows to cover) of every call
 
-    def spy(name, covered):
-        real = getattr(importance, name)
+    def spy(module, name, covered):
+        real = getattr(module, name)
 
         def counted(*args):
             rows = real(*args)
             split.append((rows, covered(*args)))
             return rows
 
-        monkeypatch.setattr(importance, name, counted)
+        monkeypatch.setattr(module, name, counted)
 
-    spy("_block_rows", lambda n_heads, m, *probe: m)
-    spy("_chunk_rows", lambda chunk_elements, row_elements: width)
+    spy(block_size, "block_rows", lambda n_heads, m, *probe: m)
+    spy(chunked, "chunk_rows", lambda chunk_elements, row_elements: width)
     seqs = prompts(lengths)
     inputs = left_pad(seqs)
     width = inputs["input_ids"].shape[1]
@@ -85,10 +85,10 @@ def test_importance_function_chunking_is_exact():
     mask = torch.ones(2, 1, 50, 50, dtype=torch.bool).tril()
     mask[1, :, :, :7] = False  # left padding in sequence 1
     mask[1, :, :7, :] = False
-    from kvtool.runtime.importance import _chunked_attention
+    from kvtool.runtime.importance.chunked import chunked_attention
 
-    whole = _chunked_attention(q, k, None, mask, 0.3, 10**9)[1]
-    chunked = _chunked_attention(q, k, None, mask, 0.3, 300)[1]
+    whole = chunked_attention(q, k, None, mask, 0.3, 10**9)[1]
+    chunked = chunked_attention(q, k, None, mask, 0.3, 300)[1]
     assert torch.allclose(attention_importance(q, k, mask, 0.3), whole, atol=1e-10)  # CPU blocked path
     assert torch.allclose(whole, chunked, atol=1e-12)
     assert torch.all(whole[1, :7] == 0)
@@ -172,7 +172,7 @@ def test_share_table_equals_the_plans_keep_for_every_token_count():
 
 
 def test_a_new_token_the_mask_marks_as_padding_is_not_kept(llama):
-    from kvtool.runtime import layer as layer_module
+    from kvtool.runtime.layer import slots as layer_module  # where the last mask read is kept
 
     seqs = prompts([30, 22])
     inputs = left_pad(seqs)
@@ -278,7 +278,8 @@ def test_truncation_distance_can_be_retuned_on_a_copied_cache(llama):
 def test_fused_prompt_attention_matches_sdpa(padded):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvtool.runtime.importance import _chunked_attention, attention_with_importance
+    from kvtool.runtime.importance import attention_with_importance
+    from kvtool.runtime.importance.chunked import chunked_attention
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 40, 8, generator=g, dtype=torch.float64)
@@ -294,7 +295,7 @@ def test_fused_prompt_attention_matches_sdpa(padded):
     module.num_key_value_groups, module.is_causal = 2, True
     want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)[0]
     got, importance = attention_with_importance(q, k, v_dirty, mask, 0.35)
-    chunked_out, chunked_importance = _chunked_attention(q, k, v_dirty, mask, 0.35, 700)
+    chunked_out, chunked_importance = chunked_attention(q, k, v_dirty, mask, 0.35, 700)
     assert torch.allclose(got, chunked_out, atol=1e-12)  # the CPU blocked path and the portable one agree
     assert torch.allclose(importance, chunked_importance, atol=1e-10)
     real = slice(9, None) if padded else slice(None)

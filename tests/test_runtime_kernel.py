@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvtool.runtime import attach, uniform_profile
-from kvtool.runtime.importance import _block_rows, attention_importance, attention_with_importance, attention_with_scores
+from kvtool.runtime.importance import attention_importance, attention_with_importance, attention_with_scores
+from kvtool.runtime.importance.block_size import block_rows
 from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, prompts, tiny_llama
 
@@ -39,7 +40,7 @@ def reference(q, k, v, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("real", [[600], [600, 563, 300, 40]], ids=["unpadded", "left-padded"])
 def test_fused_kernel_matches_brute_force_over_several_row_blocks(dtype, real):
     n = max(real)
-    assert _block_rows(HEADS, n) < n  # the longest prompt spans several row blocks
+    assert block_rows(HEADS, n) < n  # the longest prompt spans several row blocks
     g = torch.Generator().manual_seed(11)
     q = torch.randn(len(real), HEADS, n, DIM, generator=g, dtype=torch.float64)
     k = torch.randn(len(real), KV_HEADS, n, DIM, generator=g, dtype=torch.float64)
@@ -92,7 +93,7 @@ def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatc
             cache = handle.new_cache()
             kept_all = model.generate(**inputs, max_new_tokens=8, **with_cache(model, cache), **GREEDY)
     assert len(calls) == len(model.model.layers)  # every layer's prompt went through the fused kernel
-    assert all(_block_rows(shape[1], 263) < 263 for shape in calls)
+    assert all(block_rows(shape[1], 263) < 263 for shape in calls)
     for layer in cache.layers:
         # nothing dropped: the last generated token is never fed back, so 7 joined each prompt
         assert layer.kept.tolist() == layer.tokens.tolist() == [len(s) + 7 for s in seqs]
@@ -103,30 +104,31 @@ def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatc
 def test_block_size_is_measured_once_per_shape_and_can_be_fixed(monkeypatch):
     """Long prompts time every candidate block size on their own last rows and keep the fastest;
     an explicit size (module constant or KVTOOL_BLOCK_ELEMENTS) skips the measurement."""
-    from kvtool.runtime import importance
+    from kvtool.runtime.importance import block_size
+    from kvtool.runtime.importance.causal_blocks import causal_blocks
 
-    monkeypatch.setattr(importance, "_TUNED", {})
-    monkeypatch.setattr(importance, "BLOCK_ELEMENTS", None)
+    monkeypatch.setattr(block_size, "_TUNED", {})
+    monkeypatch.setattr(block_size, "BLOCK_ELEMENTS", None)
     monkeypatch.delenv("KVTOOL_BLOCK_ELEMENTS", raising=False)
     torch.manual_seed(0)
-    m = importance.TUNE_MIN_KEYS + 10
+    m = block_size.TUNE_MIN_KEYS + 10
     probe = (torch.randn(6, m, 8), torch.randn(2, m, 8), torch.randn(2, m, 8))
-    assert importance._block_rows(6, 100, probe) == importance._rows_for(importance.DEFAULT_BLOCK_ELEMENTS, 6, 100)
-    assert importance.block_tuning() == []  # short prompts are not worth a measurement
-    rows = importance._block_rows(6, m, probe)
-    [tuning] = importance.block_tuning()
+    assert block_size.block_rows(6, 100, probe) == block_size.rows_for(block_size.DEFAULT_BLOCK_ELEMENTS, 6, 100)
+    assert block_size.block_tuning() == []  # short prompts are not worth a measurement
+    rows = block_size.block_rows(6, m, probe)
+    [tuning] = block_size.block_tuning()
     assert tuning.keys == m and tuning.chosen == min(tuning.seconds, key=tuning.seconds.get)
-    assert rows == importance._rows_for(tuning.chosen, 6, m) and tuning.spread >= 1.0
+    assert rows == block_size.rows_for(tuning.chosen, 6, m) and tuning.spread >= 1.0
     # Distinct row counts only, each from a candidate.
-    timed = [importance._rows_for(e, 6, m) for e in tuning.seconds]
-    assert len(set(timed)) == len(timed) and set(tuning.seconds) <= set(importance.BLOCK_CANDIDATES)
-    importance._block_rows(6, m + 5, probe)  # same shape class: measured already
-    assert len(importance.block_tuning()) == 1
+    timed = [block_size.rows_for(e, 6, m) for e in tuning.seconds]
+    assert len(set(timed)) == len(timed) and set(tuning.seconds) <= set(block_size.BLOCK_CANDIDATES)
+    block_size.block_rows(6, m + 5, probe)  # same shape class: measured already
+    assert len(block_size.block_tuning()) == 1
     monkeypatch.setenv("KVTOOL_BLOCK_ELEMENTS", str(2**20))
-    assert importance._block_rows(6, 4 * m, probe) == importance._rows_for(2**20, 6, 4 * m)
-    assert len(importance.block_tuning()) == 1
+    assert block_size.block_rows(6, 4 * m, probe) == block_size.rows_for(2**20, 6, 4 * m)
+    assert len(block_size.block_tuning()) == 1
     # Whatever the block size, the attention output is the same and the column sums agree to rounding.
     q, k, v = (t.double() for t in probe)
-    outs = [importance._causal_blocks(q, k, v, 0.3, rows=rows) for rows in (16, 100, 256)]
+    outs = [causal_blocks(q, k, v, 0.3, rows=rows) for rows in (16, 100, 256)]
     for out, total, _, _ in outs[1:]:
         assert torch.allclose(out, outs[0][0], atol=1e-12) and torch.allclose(total, outs[0][1], atol=1e-12)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,19 +19,19 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvtool.errors import KvtoolError
 from kvtool.runtime import KvtoolCache, attach, uniform_profile
 from kvtool.runtime.attach import layer_plans
-from kvtool.runtime.eviction import evict_rule
+from kvtool.runtime.eviction import EntryView, evict_rule
 from kvtool.runtime.eviction.tova import Tova
 from kvtool.runtime.importance import (
     PromptScores,
     ScoreRequest,
-    _block_rows,
+    WindowScorer,
     attention_with_importance,
     attention_with_scores,
     decode_attention_with_scores,
 )
+from kvtool.runtime.importance.block_size import block_rows
 from kvtool.runtime.layer import GROWTH_SLOTS, LayerPlan
 from kvtool.runtime.merge import merge_rule
-from kvtool.runtime.scoring import WindowScorer
 from kvtool.runtime.selection import select_rule
 from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
@@ -128,12 +127,12 @@ REAL = [600, 563, 300, 40]  # several 256-row blocks, left padding, one prompt s
 @pytest.mark.parametrize("window", [1, 16, 300])
 @pytest.mark.parametrize("path", ["cpu-blocks", "portable-chunks"])
 def test_window_and_head_sums_match_brute_force(window, path, monkeypatch):
-    from kvtool.runtime import importance as kernel
+    from kvtool.runtime.importance import chunked, cpu_path
 
     if path == "portable-chunks":
-        monkeypatch.setattr(kernel, "_blocked_applies", lambda query: False)
-        monkeypatch.setattr(kernel, "CHUNK_ELEMENTS", len(REAL) * HEADS * max(REAL) * 100)  # 100-row chunks
-    assert _block_rows(HEADS, max(REAL)) < max(REAL)  # the longest prompt spans several row blocks
+        monkeypatch.setattr(cpu_path, "applies", lambda query: False)
+        monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", len(REAL) * HEADS * max(REAL) * 100)  # 100-row chunks
+    assert block_rows(HEADS, max(REAL)) < max(REAL)  # the longest prompt spans several row blocks
     q, k, v, mask, starts, _ = random_prompt(REAL)
     want = brute_force_scores(q, k, starts, window)
 
@@ -209,13 +208,14 @@ def test_tova_victim_is_the_least_attended_unfrozen_entry():
     valid = torch.tensor([[True, True, True, True, True, False], [True, True, True, False, False, False]])
     attention = torch.tensor([[0.01, 0.3, 0.2, 0.05, 0.44, 0.0], [0.001, 0.002, 0.997, 0.0, 0.0, 0.0]])
     frozen = torch.tensor([[True, False, False, False, False, False], [True, True, True, False, False, False]])
-    layer = SimpleNamespace(valid=valid, order=torch.zeros(2, 6, dtype=torch.long), frozen=frozen, attention=attention)
+    share = np.array([4, 2])
+    entries = EntryView(valid, torch.zeros(2, 6, dtype=torch.long), frozen, seen=6, share=share, attention=attention)
     # row 0: slot 0 is a sink (lowest, but frozen), so slot 3; row 1: only sinks left, so the lowest of them
-    assert Tova().victim(layer).tolist() == [3, 0]
+    assert Tova().victim(entries).tolist() == [3, 0]
     # Per head: each KV head ranks by its own attention; validity stays per row.
     per_head = torch.stack([attention, attention.flip(-1)], dim=1)  # [B, 2, S]
-    layer = SimpleNamespace(
-        valid=valid, order=torch.zeros(2, 2, 6, dtype=torch.long), frozen=frozen[:, None].expand(2, 2, 6), attention=per_head
+    entries = EntryView(
+        valid, torch.zeros(2, 2, 6, dtype=torch.long), frozen[:, None].expand(2, 2, 6), seen=6, share=share, attention=per_head
     )
     want = []
     for b in range(2):
@@ -224,7 +224,7 @@ def test_tova_victim_is_the_least_attended_unfrozen_entry():
             candidates = [s for s in range(6) if valid[b, s] and not frozen[b, s]] or [s for s in range(6) if valid[b, s]]
             row.append(min(candidates, key=lambda s: (per_head[b, h, s].item(), s)))
         want.append(row)
-    assert Tova().victim(layer).tolist() == want
+    assert Tova().victim(entries).tolist() == want
 
 
 def test_bad_plans_fail_clearly():
@@ -486,12 +486,6 @@ BATCH_CASES = {
     "shared-union85-h2o": dict(scorer="union", window=4, pool=3, evict="heavy-hitter", window_share=0.85),
     "per-head-union-h2o-window": dict(heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter-window"),
     "shared-sum-h2o-window": dict(window=4, pool=3, evict="heavy-hitter-window"),
-    # Lookahead (tests/test_lookahead.py): the whole prompt, then twice the share, held for 4 tokens.
-    "per-head-union-h2o-lookahead": dict(heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter", lookahead=4),
-    "per-head-union-h2o-lookahead-hold": dict(
-        heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter", lookahead=4, lookahead_hold=2.0
-    ),
-    "shared-window-fixed-point-lookahead-hold": dict(scorer="window", window=4, pool=3, lookahead=3, lookahead_hold=1.5),
 }
 
 
@@ -558,9 +552,9 @@ def test_budget_held_step_by_step(llama, heads, rule):
 
 
 def test_per_head_selection_in_a_padded_batch_is_each_heads_top_k(llama, monkeypatch):
-    from kvtool.runtime import importance as kernel
+    from kvtool.runtime.importance import block_size
 
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)  # 16-row blocks: every prompt spans several
+    monkeypatch.setattr(block_size, "BLOCK_ELEMENTS", 1)  # 16-row blocks: every prompt spans several
     seqs = prompts([61, 37, 50], seed=9)
     profile = recipe_profile(llama)
     plans = rules_plans(profile, heads="per-head", scorer="window", window=6, pool=7)

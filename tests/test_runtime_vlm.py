@@ -93,11 +93,11 @@ def test_compressing_prompt_forward_equals_vanilla_in_row_chunks(vlm, monkeypatc
     """The prompt forward's output does not depend on the budget (compression follows each layer's
     attention), also when the scoring pass works in row chunks: Gemma 3's image tokens attend to the
     whole image block, later tokens included, so a chunk may not assume causality."""
-    from kvtool.runtime import importance
+    from kvtool.runtime.importance import chunked
 
     model = vlm.model
     inputs = vlm.batch([20, 9])
-    monkeypatch.setattr(importance, "CHUNK_ELEMENTS", 2 * 4 * 30 * 3)
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 2 * 4 * 30 * 3)
     with torch.no_grad():
         ref = model(**inputs).logits
         with attach(model, uniform_profile(model, 0.5)) as handle:

@@ -28,19 +28,3 @@ def test_written_prompts_are_exactly_those_no_listed_draw_uses(tmp_path, capsys)
     assert len(written) == len(records) - len(set(drawn)) > 0
     assert not {row["prompt"] for row in written} & set(drawn)
     assert "wrote" in capsys.readouterr().out
-
-
-def test_prompt_kind_writes_one_kind_and_refuses_an_unknown_one(tmp_path, capsys):
-    import pytest
-
-    spec = importlib.util.spec_from_file_location("prompt_kind", SCRIPT.parent / "prompt_kind.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path / "ret.jsonl"
-    script.main(["--set", "evaluation", "--kind", "retrieval", "--out", str(out)])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 13 and {row["kind"] for row in rows} == {"retrieval"} and all(row["answers"] for row in rows)
-    assert "wrote 13 of 65" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no calibration prompt has kind 'poetry'"):
-        script.main(["--set", "calibration", "--kind", "poetry", "--out", str(tmp_path / "none.jsonl")])
-    assert not (tmp_path / "none.jsonl").exists()

@@ -24,13 +24,14 @@ from kvtool.bench.config import WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchCo
 from kvtool.bench.peak import peak_memory_method, release_memory, track_peak
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
-from kvtool.profiles import Profile
+from kvtool.profiles import Draft, Profile
 from kvtool.runtime import attach
 from kvtool.runtime.attach import layer_plans
+from kvtool.runtime.draft import prepare
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
-from kvtool.runtime.verified import Verified, verify_draft
+from kvtool.runtime.steps import Prompt
 
 # The three caches, in the order each round runs them (keys of the JSON report).
 FULL, COMPRESSED, CEILING = "full", "compressed", "ceiling"
@@ -184,22 +185,9 @@ def truncate_like(cache: Any, plans: Sequence[LayerPlan | None]) -> None:
         layer.values = layer.values[:, :, :keep].contiguous()
 
 
-@dataclass(frozen=True)
-class DraftRun:
-    """How a prompt phase drafts (a profile's draft settings, `MethodSettings.draft*`): `tokens`
-    drafted and the prompt compressed again with them, `rounds` times (`kvtool.scoring.draft` says
-    how; `verify`: each later draft from the last round's verified prefix; `reuse`: its keys and
-    values stored as the tokens are fed). `tokens` 0: no draft."""
-
-    tokens: int = 0
-    rounds: int = 1
-    verify: bool = False
-    reuse: bool = False
-
-    @classmethod
-    def of(cls, method: Any, new_tokens: int) -> "DraftRun":
-        """A profile's draft, never longer than the tokens generated."""
-        return cls(min(method.draft, new_tokens), method.draft_rounds, method.draft_verify, method.draft_reuse)
+def capped(draft: Draft | None, new_tokens: int) -> Draft | None:
+    """A profile's draft, never longer than the tokens generated (as `generate` runs it)."""
+    return draft and draft.capped(new_tokens)
 
 
 def run_once(
@@ -208,7 +196,7 @@ def run_once(
     new_tokens: int,
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
-    draft: DraftRun = DraftRun(),
+    draft: Draft | None = None,
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
     `draft`, the prompt phase also drafts and compresses the prompt again: every pass counts as
@@ -250,27 +238,14 @@ def prompt_phase(
     ids: torch.Tensor,
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
-    draft: DraftRun = DraftRun(),
+    draft: Draft | None = None,
 ) -> DecodeState:
-    """The prompt forward of `run_once` (and its draft rounds): the cache and the first new token."""
-    cache = make_cache()
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
-    prefix = None
-    for _ in range(draft.rounds if draft.tokens else 0):
-        drafted = _draft_tokens(model, ids, out.logits[:, -1], cache, draft.tokens, prefix)
-        del cache  # before the next cache fills: one budget at a time, as the runtime holds it
-        cache = make_cache()
-        cache.set_draft(draft.tokens, keep=draft.verify and draft.reuse)
-        scored = model(
-            input_ids=torch.cat([ids, drafted], dim=1), use_cache=True,
-            logits_to_keep=draft.tokens if draft.verify else 1, **with_cache(model, cache),
-        )
-        if draft.verify:
-            prefix = verify_draft(cache, drafted, scored.logits, draft.reuse)
-        del scored
+    """The prompt forward of `run_once` (and with a `draft` its rounds, `kvtool.runtime.draft.prepare`):
+    the cache and the first new token."""
+    ready = prepare(model, Prompt.of({"input_ids": ids}), make_cache, draft)
     if after_prefill is not None:
-        after_prefill(cache)
-    return DecodeState(cache=cache, token=out.logits[:, -1].argmax(-1, keepdim=True), prompt_tokens=ids.shape[1])
+        after_prefill(ready.cache)
+    return DecodeState(cache=ready.cache, token=ready.first_logits.argmax(-1, keepdim=True), prompt_tokens=ids.shape[1])
 
 
 def decode_steps(model: Any, state: DecodeState, steps: int) -> None:
@@ -284,21 +259,6 @@ def decode_steps(model: Any, state: DecodeState, steps: int) -> None:
         )
         state.token = out.logits[:, -1].argmax(-1, keepdim=True)
         state.steps += 1
-
-
-def _draft_tokens(
-    model: Any, ids: torch.Tensor, first: torch.Tensor, cache: Any, draft: int, prefix: Verified | None = None
-) -> torch.Tensor:
-    """[B, draft] greedy tokens after the prompt through `cache` (the first pass of
-    `kvtool.scoring.draft`, on an unpadded batch), the tokens of `prefix` first where it has them."""
-    bsz, n = ids.shape
-    pick = (lambda t, logits: logits.argmax(-1)) if prefix is None else prefix.choose  # noqa: E731
-    tokens = [pick(0, first)[:, None]]
-    for step in range(draft - 1):
-        position = torch.full((bsz, 1), n + step, device=ids.device)
-        out = model(input_ids=tokens[-1], position_ids=position, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
-        tokens.append(pick(step + 1, out.logits[:, -1])[:, None])
-    return torch.cat(tokens, dim=1)
 
 
 def run_bench(
@@ -331,7 +291,7 @@ def run_bench(
         # Only the kvtool runs use kvtool attention: the other two run the model as it is without kvtool.
         if name == COMPRESSED:
             with attach(model, profile) as handle:
-                return run_once(model, prompt, new_tokens, handle.new_cache, draft=DraftRun.of(profile.method, new_tokens))
+                return run_once(model, prompt, new_tokens, handle.bare_cache, draft=capped(profile.method.draft, new_tokens))
         if name == CEILING:
             return run_once(model, prompt, new_tokens, plain_cache, lambda cache: truncate_like(cache, plans))
         return run_once(model, prompt, new_tokens, plain_cache)
@@ -346,7 +306,8 @@ def run_bench(
                 progress(f"side by side: prompt phase, {LABELS[name]}")
             if name == COMPRESSED:
                 with attach(model, profile) as handle:
-                    states[name] = prompt_phase(model, ids, handle.new_cache, draft=DraftRun.of(profile.method, config.new_tokens))
+                    draft = capped(profile.method.draft, config.new_tokens)
+                    states[name] = prompt_phase(model, ids, handle.bare_cache, draft=draft)
             else:
                 after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None
                 states[name] = prompt_phase(model, ids, plain_cache, after)

@@ -23,11 +23,12 @@ from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.profiles.schema import WINDOW_SCORERS
 from kvtool.runtime import attach, uniform_profile
+from kvtool.runtime.draft import prepare
 from kvtool.runtime.grouped import GroupedCache
-from kvtool.runtime.scoring import make_scorer
+from kvtool.runtime.importance import make_scorer
 from kvtool.scoring.answers import score_answers_only
 from kvtool.scoring import (
-    Batch, PromptMeanNll, References, draft_prompt_forward, prompt_forward, reference_continuations, teacher_forced_nll,
+    Batch, PromptMeanNll, References, prompt_forward, reference_continuations, teacher_forced_nll,
 )
 
 # Stage names reported to `progress(stage, done, total)`.
@@ -163,7 +164,7 @@ def full_pass(
     try:
         with torch.inference_mode():
             for index, (batch, batch_answers) in enumerate(zip(batches, answers)):
-                cache = handle.new_cache(record_importance=True)
+                cache = handle.bare_cache(record_importance=True)
                 first_logits = prompt_forward(model, batch, cache)
                 parts.append((batch.rows, {key: scorer_stats(cache, s.scorer, _scored_by(method, s)) for key, s in scorers}))
                 if cache.image_mask is not None and bool(cache.image_mask.any()):
@@ -216,7 +217,7 @@ def truncation_pass(
     try:
         with torch.inference_mode():
             for state in states:
-                cache = compress_recorded_prompt(handle.new_cache(), state.full_cache, state.batch.attention_mask)
+                cache = compress_recorded_prompt(handle.bare_cache(), state.full_cache, state.batch.attention_mask)
                 scores.full.add(state.references.nll_full, state.references.scored)
                 score_candidates(model, cache, state.first_logits, state.batch, state.references, scores, on_step=steps.step)
     finally:
@@ -296,9 +297,9 @@ def recipe_ppls(
 def drafted_ppls(
     model: Any, profiles: Sequence[Profile], states: Sequence[PromptState], on_step: Callable[[int], None] | None = None
 ) -> list[float]:
-    """Calibration PPL of each profile as it runs with its draft (`MethodSettings.draft`, `draft_rounds`):
-    each batch's prompt forward again into a fresh cache, drafted and scored again round by round
-    (`scoring.draft_prompt_forward`, as `kvtool eval` and `generate` run it), then the references
+    """Calibration PPL of each profile as it runs with its draft (`MethodSettings.draft`): each
+    batch's prompt forward again into a fresh cache, drafted and scored again round by round
+    (`runtime.draft.prepare`, as `kvtool eval` and `generate` run it), then the references
     teacher-forced through the cache the last round left; the same measure as `recipe_ppls`.
 
     The recorded prompt state cannot stand in here: the draft's rows are new queries whose attention
@@ -310,14 +311,10 @@ def drafted_ppls(
         with torch.inference_mode():
             for state in states:
                 for profile, total in zip(profiles, totals):
-                    method = profile.method
-                    cache, first = draft_prompt_forward(
-                        model, state.batch, lambda: handle.cache_for(profile), method.draft, method.draft_rounds, method.draft_verify,
-                        method.draft_reuse,
-                    )
-                    nll = teacher_forced_nll(model, cache, first, state.batch, state.references, on_step)
+                    ready = prepare(model, state.batch, lambda: handle.cache_for(profile), profile.method.draft)
+                    nll = teacher_forced_nll(model, ready.cache, ready.first_logits, state.batch, state.references, on_step)
                     total.add(nll, state.references.scored)
-                    del cache
+                    del ready
     finally:
         handle.detach()
     return [total.ppl() for total in totals]

@@ -27,17 +27,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
-from kvtool.profiles import EVICTION_RULES, MERGE_MODES, MethodSettings
+from kvtool.profiles import MERGE_MODES, MethodSettings
 from kvtool.profiles.schema import HEAD_MODES, RATIO_SOURCES, SCORERS, WINDOW_SCORERS
+from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.runtime.methods import method_settings
 
 # Prompt selections the search may choose: top-k by score beside sinks and the recent share, or
 # H2O's split (half the layer's share recent, half the top scores, no sinks).
 SEARCH_SELECTIONS = ("importance", "heavy-hitter")
 
-# Every generation rule that holds the budget; "prompt-only" lets the cache grow, so it is a mode
-# users ask for by name, never a calibration result for a budget that must hold.
-HELD_EVICTIONS = ("fixed-point", "heavy-hitter", "heavy-hitter-window", "tova")
+# The generation rules the search tries, in registry order: those that hold the budget and do not
+# opt out (`EvictRule.searched`). "prompt-only" lets the cache grow, so it is a mode users ask for by
+# name, never a calibration result for a budget that must hold.
+HELD_EVICTIONS = tuple(name for name, rule in EVICT_RULES.items() if rule.holds_budget and rule.searched)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class SearchSpace:
     def checked(self) -> "SearchSpace":
         """The same space with duplicates dropped; a one-line KvtoolError for a bad value."""
         checks = (
-            ("generation rule", self.evictions, EVICTION_RULES),
+            ("generation rule", self.evictions, tuple(EVICT_RULES)),
             ("selection", self.selections, SEARCH_SELECTIONS),
             ("scorer", self.scorers, SCORERS),
             ("ratio source", self.ratio_sources, RATIO_SOURCES),

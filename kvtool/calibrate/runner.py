@@ -138,15 +138,11 @@ def calibrate(
         return scorer_key(settings) if settings.ratios == "scorer" else "attention-sum"
 
     # A hybrid model's sliding-window layers are transformers' own and would keep the draft's rows.
-    draft = config.draft if all(kind == FULL_ATTENTION for kind in fingerprint.layer_types) else 0
+    draft = config.draft if all(kind == FULL_ATTENTION for kind in fingerprint.layer_types) else None
 
     def profile_for(settings: MethodSettings) -> Profile:
-        """The profile of `settings` with the ratios its `ratios` source gives (and the run's lookahead and draft)."""
-        settings = replace(
-            settings, lookahead=config.lookahead, lookahead_hold=config.lookahead_hold, draft=draft,
-            draft_rounds=config.draft_rounds if draft else 1, draft_verify=bool(draft) and config.draft_verify,
-            draft_reuse=bool(draft) and config.draft_verify and config.draft_reuse,
-        )
+        """The profile of `settings` with the ratios its `ratios` source gives (and the run's draft)."""
+        settings = replace(settings, draft=draft)
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))

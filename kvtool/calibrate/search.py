@@ -109,7 +109,7 @@ def choose_recipe(
     confirmed_on = sum(len(s.batch.rows) for s in confirming)
     picked = pick_recipe(search, held_out, chosen_on, confirmed_on)
     drafted = None
-    if with_draft and profile_for(picked).method.draft > 0:
+    if with_draft and profile_for(picked).method.draft is not None:
         drafted = draft_stage(model, picked, search, space, profile_for, choosing, confirming, progress)
     shipped = drafted.picked if drafted is not None else picked
     return ChosenRecipe(

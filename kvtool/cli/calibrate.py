@@ -96,6 +96,10 @@ def search_space(base: Any, options: list[str]) -> Any:
     return dataclasses.replace(base, **changes)
 
 
+# `--draft`'s default: kvtool.calibrate.config.DEFAULT_DRAFT (a test keeps them equal; importing it here costs torch).
+DRAFT_DEFAULT = "64,rounds=2,verify"
+
+
 @app.command("calibrate")
 def calibrate_command(
     model: Annotated[
@@ -162,70 +166,21 @@ def calibrate_command(
             "the answer is seen.",
         ),
     ] = "forced",
-    lookahead: Annotated[
-        int,
-        typer.Option(
-            "--lookahead",
-            help="New tokens generated over the whole prompt before each layer compresses: their attention "
-            "joins the prompt's scores (what the answer reads). The cache holds the full prompt for those tokens, "
-            "then the budget, so the peak KV memory is the full cache's. Needs --draft 0. 0 (default): compress right "
-            "after the prompt.",
-        ),
-    ] = 0,  # kvtool.calibrate.config.DEFAULT_LOOKAHEAD
-    lookahead_hold: Annotated[
-        float,
-        typer.Option(
-            "--lookahead-hold",
-            help="What the lookahead holds: 0 (default) the whole prompt (the KV memory peaks at the full cache's); "
-            "C >= 1, C times each layer's share, the prompt's best-scored entries (it peaks at C times the budget).",
-        ),
-    ] = 0.0,
     draft: Annotated[
-        int,
+        str,
         typer.Option(
             "--draft",
-            help="Tokens drafted through the compressed cache before the prompt is compressed again with their "
-            "attention in its scores (what the answer reads); the draft is then dropped and generation starts from "
-            "the prompt. The budget holds throughout; the cost is one more prompt forward and the draft's steps "
-            "(never longer than the generation). 0: compress once. Hybrid models (sliding-window layers) get none.",
+            help="The profile's draft: tokens drafted through the compressed cache before the prompt is compressed "
+            "again with their attention in its scores (the budget holds; the cost is a prompt forward and the "
+            "draft's steps per round, never longer than the generation). Comma-separated: the tokens (0 or 'none': "
+            "compress once), 'rounds=N' (each round drafts through the cache the last one scored), 'verify' / "
+            "'no-verify' (check each draft against the full-attention logits of the forward that scores it; the "
+            "answer starts with the agreed prefix), 'stage' (after the search, measure its pick and the recipes one "
+            "generation rule or ratio source away with the draft and ship the best if the held-out prompts agree; "
+            "minutes more, the built-in profiles are made with it). Omitted parts keep the default's. Hybrid models "
+            "(sliding-window layers) get none.",
         ),
-    ] = 64,  # kvtool.calibrate.config.DEFAULT_DRAFT
-    draft_rounds: Annotated[
-        int,
-        typer.Option(
-            "--draft-rounds",
-            help="Times the prompt is scored again with a draft, each drafted through the cache the last round "
-            "scored (closer to the answer; one prompt forward and the draft's steps more per round).",
-        ),
-    ] = 2,  # kvtool.calibrate.config.DEFAULT_DRAFT_ROUNDS
-    draft_verify: Annotated[
-        bool,
-        typer.Option(
-            "--draft-verify/--no-draft-verify",
-            help="Check each draft against the full-attention logits of the forward that scores it: the agreed "
-            "prefix (and the next token) is the full cache's own greedy answer, so later rounds draft from it and "
-            "the answer starts with it. Costs a few rows of the output projection.",
-        ),
-    ] = True,  # kvtool.calibrate.config.DEFAULT_DRAFT_VERIFY
-    draft_reuse: Annotated[
-        bool,
-        typer.Option(
-            "--draft-reuse/--no-draft-reuse",
-            help="With verified drafts: store the verified tokens' keys and values from the forward that "
-            "verified them (full attention over the whole prompt, as the full cache computes them) instead of "
-            "recomputing them through the compressed cache.",
-        ),
-    ] = False,  # kvtool.calibrate.config.DEFAULT_DRAFT_REUSE
-    draft_stage: Annotated[
-        bool,
-        typer.Option(
-            "--draft-stage",
-            help="After the search, measure its pick and the recipes one generation rule or ratio source away "
-            "as they run, with the draft (each its own prompt forwards and drafts), and ship the best if the "
-            "held-out prompts agree. The search itself measures without the draft. Costs minutes more; the "
-            "built-in profiles are made with it.",
-        ),
-    ] = False,
+    ] = DRAFT_DEFAULT,
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     choose_openmp_wait()
@@ -244,6 +199,7 @@ def calibrate_command(
     if merge != "auto" and merge not in MERGE_MODES:
         raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
+    draft_settings, draft_stage = parse_draft(draft)
     model_budget = check_budget(budget)
     dest = check_writable(out if out is not None else default_out_path(model, model_budget))
     config = CalibrateConfig(
@@ -254,12 +210,7 @@ def calibrate_command(
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
         answer_references=answer_references,
-        lookahead=lookahead,
-        lookahead_hold=lookahead_hold,
-        draft=draft,
-        draft_rounds=draft_rounds,
-        draft_verify=draft_verify,
-        draft_reuse=draft_reuse,
+        draft=draft_settings,
         draft_stage=draft_stage,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
@@ -267,6 +218,32 @@ def calibrate_command(
     with StageBars(Console(stderr=True)) as bars:
         result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)
     render_summary(Console(), result)
+
+
+def parse_draft(spec: str) -> tuple[Any, bool]:
+    """`--draft SPEC` as (the Draft or None, whether the draft stage runs); a one-line KvtoolError
+    for a malformed SPEC. Parts SPEC leaves out keep `DRAFT_DEFAULT`'s."""
+    from kvtool.profiles import Draft
+
+    usage = "--draft takes TOKENS[,rounds=N][,verify|no-verify][,stage], e.g. 64,rounds=2,verify or none"
+    tokens, rounds, verify, stage = 0, 1, False, False
+    for part in (p.strip().lower() for p in f"{DRAFT_DEFAULT},{spec}".split(",")):
+        key, sep, value = part.partition("=")
+        if part == "none":
+            tokens = 0
+        elif part.isdigit():
+            tokens = int(part)
+        elif sep and key == "rounds" and value.isdigit():
+            rounds = int(value)
+        elif part in ("verify", "no-verify"):
+            verify = part == "verify"
+        elif part == "stage":
+            stage = True
+        else:
+            raise KvtoolError(f"{usage}; got {spec!r}")
+    if rounds < 1:
+        raise KvtoolError(f"--draft rounds must be at least 1, got {rounds}")
+    return (Draft(tokens, rounds, verify) if tokens else None), stage
 
 
 def default_out_path(model_name: str, budget: float) -> Path:

@@ -63,7 +63,7 @@ def eval_command(
             "--methods",
             help="Comma-separated: kvtool (the calibrated recipe, with its profile's draft), kvtool-no-draft (the same, "
             "compressing the prompt once), kvtool-prompt-only (the same, nothing evicted while generating), "
-            "kvtool-lookahead (the same, compressing after 8 tokens over twice the share), prefixkv (the papers': attention-sum ratios, "
+            "prefixkv (the papers': attention-sum ratios, "
             "fixed-point), prefixkv-merge, prefixkv-evict, elastic, lookm (LOOK-M: text-prior anchors + "
             "similarity-pivot merging; the prior needs image tokens), h2o, tova, local, snapkv (prompt-only).",
         ),
@@ -76,7 +76,7 @@ def eval_command(
         typer.Option(
             "--score-from",
             help="Leave the first K tokens of every reference and output out of PPL, top-1 and ROUGE-L (accuracy reads "
-            "the whole output): judges a profile with lookahead K only where it runs at the budget.",
+            "the whole output): judges only what comes after the answer's first K tokens.",
         ),
     ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,

@@ -33,6 +33,7 @@ def result_to_dict(model_name: str, result: GenerationResult, cache_note: str) -
         "kv_bytes": result.kv_bytes,
         "kv_bytes_full": result.kv_bytes_full,
         "total_s": result.total_s,
+        "compressed": result.compressed,
     }
 
 
@@ -125,19 +126,16 @@ def generate_command(
     loaded = load_model(model)
     chosen = choose_cache_profile(loaded, budget, profile)
     handle = None
-    cache_factory = None
+    cache_factory = draft = None
     cache_note = "full (uncompressed) cache"
     if chosen is not None:
         handle = attach(loaded.model, chosen[0], min_kept=min_kept)
-        cache_factory, cache_note = handle.new_cache, chosen[1]
+        # The draft is applied by `generate` (as `handle.generate` applies it): the factory is the bare cache.
+        cache_factory, cache_note, draft = handle.bare_cache, chosen[1], chosen[0].method.draft
         if min_kept:
             cache_note += f"; at least {min_kept} entries per layer"
-        if chosen[0].method.lookahead:
-            hold = chosen[0].method.lookahead_hold
-            held = f"{hold:g}x each layer's share" if hold else "the whole prompt"
-            cache_note += f"; lookahead {chosen[0].method.lookahead} tokens ({held} held until then)"
-        if chosen[0].method.draft:
-            cache_note += f"; {draft_phrase(chosen[0].method)}"
+        if draft is not None:
+            cache_note += f"; {draft_phrase(draft)}"
     try:
         result = generate(
             loaded.model,
@@ -147,17 +145,16 @@ def generate_command(
             temperature=temperature,
             seed=seed,
             cache_factory=cache_factory,
-            draft=0 if chosen is None else chosen[0].method.draft,
-            draft_rounds=1 if chosen is None else chosen[0].method.draft_rounds,
-            draft_verify=chosen is not None and chosen[0].method.draft_verify,
-            draft_reuse=chosen is not None and chosen[0].method.draft_reuse,
+            draft=draft,
         )
     finally:
         if handle is not None:
             handle.detach()
+    if chosen is not None and not result.compressed:
+        cache_note = "full cache: the prompts are too short for compression to save memory (their KV is under 1% of the weights)"
     if as_json:
         # Plain echo, not rich: the output must stay parseable JSON.
         typer.echo(json.dumps(result_to_dict(loaded.name, result, cache_note), ensure_ascii=False))
         return
-    ratios = [] if chosen is None else [l.ratio for l in chosen[0].layers if l.compress and l.ratio < 1.0]
+    ratios = [] if chosen is None or not result.compressed else [l.ratio for l in chosen[0].layers if l.compress and l.ratio < 1.0]
     render(Console(), loaded, prompts, result, cache_note, short_prompt_hint(ratios, result.prompt_tokens, min_kept))

@@ -89,10 +89,6 @@ def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
     ]
 
 
-def _held(hold: float) -> str:
-    return f"{hold:g}x each layer's share held" if hold else "the whole prompt held"
-
-
 def _method_rows(profile: Profile) -> list[tuple[str, str]]:
     s = profile.method
     scorer = s.scorer if s.scorer not in WINDOW_SCORERS else f"{s.scorer} (last {s.window} rows, pool {s.pool})"
@@ -103,8 +99,7 @@ def _method_rows(profile: Profile) -> list[tuple[str, str]]:
             "Recipe",
             f"generation {s.eviction} · selection {s.selection} · scorer {scorer} · ratios {s.ratios}"
             f" · {s.heads} heads · recent share {s.recent_share:.0%}"
-            + (f" · lookahead {s.lookahead} tokens ({_held(s.lookahead_hold)} until then)" if s.lookahead else "")
-            + (f" · {draft_phrase(s)}" if s.draft else ""),
+            + (f" · {draft_phrase(s.draft)}" if s.draft else ""),
         ),
         (
             "Method",

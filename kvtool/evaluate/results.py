@@ -10,7 +10,7 @@ from kvtool.evaluate.metrics import standard_error
 
 
 @dataclass(frozen=True)
-class PromptScores:
+class PromptResults:
     """Per prompt, in data order, so two methods (or two tools) can be compared prompt by prompt."""
 
     nll: tuple[float, ...] = ()  # summed NLL of the prompt's reference tokens
@@ -21,8 +21,8 @@ class PromptScores:
     # greedy output would have stayed on the full cache's. Empty for the full cache.
     top1: tuple[int, ...] = ()
 
-    def subset(self, rows: list[int]) -> "PromptScores":
-        return PromptScores(*(tuple(values[i] for i in rows) if values else () for values in
+    def subset(self, rows: list[int]) -> "PromptResults":
+        return PromptResults(*(tuple(values[i] for i in rows) if values else () for values in
                               (self.nll, self.tokens, self.rouge_l, self.accuracy, self.top1)))
 
     @property
@@ -54,15 +54,15 @@ class MethodResult:
     tokens: int  # reference tokens scored
     # Per prompt, in data order, so two methods can be compared prompt by prompt (paired).
     rouge_l_per_prompt: tuple[float, ...] = ()
-    per_prompt: PromptScores = field(default_factory=PromptScores)
+    per_prompt: PromptResults = field(default_factory=PromptResults)
     # The most physical KV bytes held after any step of greedy generation (the prompt's included),
     # over the full cache's bytes at the end: what memory must be there, not only what is left.
     kv_peak_fraction: float = math.nan
-    lookahead: int = 0  # new tokens the method generated over the prompt before compressing
-    lookahead_hold: float = 0.0  # what it held meanwhile: 0 the whole prompt, c c times each layer's share
-    draft: int = 0  # tokens drafted at the budget to score the prompt again (MethodSettings.draft)
-    draft_rounds: int = 1  # how many times (MethodSettings.draft_rounds)
-    draft_verify: bool = False  # whether the draft was verified (MethodSettings.draft_verify)
+    # The profile's draft as it ran (MethodSettings.draft, never longer than the answer): tokens
+    # drafted at the budget to score the prompt again (0: none), how many rounds, whether verified.
+    draft: int = 0
+    draft_rounds: int = 1
+    draft_verify: bool = False
     # Per prompt, how many of the greedy output's first tokens came from the verified prefix (the
     # full cache's own greedy tokens, read off the draft's forward); empty without verification.
     verified_per_prompt: tuple[int, ...] = ()
@@ -106,7 +106,7 @@ class EvalReport:
     outputs: dict[str, Any] = field(default_factory=dict)
     kinds: tuple[str | None, ...] = ()  # per prompt, in data order (None: the row names no kind)
     full_outputs: tuple[FullOutput, ...] = ()  # per prompt, in data order
-    full: PromptScores = field(default_factory=PromptScores)  # the full cache's own NLL and accuracy
+    full: PromptResults = field(default_factory=PromptResults)  # the full cache's own NLL and accuracy
     score_from: int = 0  # reference / output tokens left out of PPL, top-1 and ROUGE-L
 
     @property
@@ -129,8 +129,7 @@ class EvalReport:
             "results": [
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
-                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "lookahead": r.lookahead,
-                    "lookahead_hold": r.lookahead_hold, "draft": r.draft, "draft_rounds": r.draft_rounds,
+                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "draft": r.draft, "draft_rounds": r.draft_rounds,
                     "draft_verify": r.draft_verify, "verified_per_prompt": list(r.verified_per_prompt),
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
@@ -168,7 +167,7 @@ def _finite(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def _kind_summary(scores: PromptScores) -> dict[str, Any]:
+def _kind_summary(scores: PromptResults) -> dict[str, Any]:
     return {
         "ppl": scores.ppl,
         "rouge_l": sum(scores.rouge_l) / len(scores.rouge_l),

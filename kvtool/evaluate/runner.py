@@ -7,8 +7,8 @@ of that state, (1) teacher-forces the references token by token with the generat
 active, scoring every reference token, and (2) decodes greedily for ROUGE-L; the physical KV bytes
 at the end of (2) against a full cache's give the kept fraction, their largest value after any step
 the peak. `score_from = K` leaves the first K tokens of every reference and output out of PPL,
-top-1 and ROUGE-L (accuracy reads the whole output): a method that keeps the whole prompt for its
-first K tokens (lookahead) is then judged only where it runs at the budget.
+top-1 and ROUGE-L (accuracy reads the whole output). A profile's draft prepares each batch's cache
+as `generate` does (`kvtool.runtime.draft.prepare`).
 """
 
 from __future__ import annotations
@@ -27,19 +27,19 @@ from kvtool.calibrate.choose import choose_profiles
 from kvtool.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
 from kvtool.errors import KvtoolError
 from kvtool.evaluate.metrics import answer_accuracy, rouge_l_f1
-from kvtool.evaluate.results import EvalReport, FullOutput, MethodResult, PromptScores
+from kvtool.evaluate.results import EvalReport, FullOutput, MethodResult, PromptResults
 from kvtool.models import image_token_ids
 from kvtool.models.loader import as_loaded, eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.profiles.budget import check_budget
 from kvtool.runtime import attach
+from kvtool.runtime.draft import prepare
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
 from kvtool.runtime.methods import get_method, method_profile
 from kvtool.scoring import (
     Batch,
     NllTotal,
     References,
-    drafted_prompt,
     encode_batches,
     prompt_forward,
     reference_continuations,
@@ -120,8 +120,8 @@ class _PerPrompt:
         for b, row in enumerate(rows):
             self.top1[row] = int(top1[b].sum())
 
-    def scores(self) -> PromptScores:
-        return PromptScores(tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy), tuple(self.top1))
+    def scores(self) -> PromptResults:
+        return PromptResults(tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy), tuple(self.top1))
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:
@@ -211,13 +211,13 @@ class _Evaluation:
         nll, kept, peak, full = NllTotal(), 0, 0, 0
         per_prompt = _PerPrompt(len(self.records))
         verified = [0] * len(self.records)
-        draft = min(profile.method.draft, self.config.max_new_tokens)  # as generate: no longer than the answer
+        draft = profile.method.draft
+        draft = draft and draft.capped(self.config.max_new_tokens)  # as generate: no longer than the answer
         with attach(self.model, profile) as handle:
             for target in targets:
-                cache, first, prefix = drafted_prompt(
-                    self.model, target.batch, handle.new_cache, draft, profile.method.draft_rounds,
-                    profile.method.draft_verify, profile.method.draft_reuse,
-                )
+                ready = prepare(self.model, target.batch, handle.bare_cache, draft)
+                cache, first, prefix = ready.cache, ready.first_logits, ready.prefix
+                del ready
                 greedy_cache = copy.deepcopy(cache)
                 forced = teacher_forced(self.model, cache, first, target.batch, target.references)
                 scored = _scored_from(target.references.scored, self.config.score_from)
@@ -243,11 +243,9 @@ class _Evaluation:
         return MethodResult(
             method=method, budget=budget, ppl=nll.ppl(), rouge_l=sum(rouge) / len(rouge),
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
-            kv_peak_fraction=peak / full if full else math.nan, lookahead=profile.method.lookahead,
-            lookahead_hold=profile.method.lookahead_hold, draft=draft,
-            draft_rounds=profile.method.draft_rounds if draft else 1,
-            draft_verify=bool(draft) and profile.method.draft_verify,
-            verified_per_prompt=tuple(verified) if draft and profile.method.draft_verify else (),
+            kv_peak_fraction=peak / full if full else math.nan, draft=draft.tokens if draft else 0,
+            draft_rounds=draft.rounds if draft else 1, draft_verify=bool(draft and draft.verify),
+            verified_per_prompt=tuple(verified) if draft and draft.verify else (),
             per_prompt=per_prompt.scores(),
         )
 

@@ -5,11 +5,11 @@ from kvtool.profiles.document import profile_to_dict
 from kvtool.profiles.fingerprint import fingerprint_of
 from kvtool.profiles.io import read_profile, save_profile
 from kvtool.profiles.schema import (
-    EVICTION_RULES,
     MERGE_MODES,
     SELECTION_RULES,
     SCHEMA_VERSION,
     CalibrationInfo,
+    Draft,
     RecipeTrial,
     LayerProfile,
     MethodSettings,
@@ -20,11 +20,11 @@ from kvtool.profiles.schema import (
 from kvtool.profiles.validate import validate_profile
 
 __all__ = [
-    "EVICTION_RULES",
     "MERGE_MODES",
     "SELECTION_RULES",
     "SCHEMA_VERSION",
     "CalibrationInfo",
+    "Draft",
     "RecipeTrial",
     "LayerProfile",
     "MethodSettings",

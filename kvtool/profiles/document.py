@@ -19,6 +19,10 @@ class FlowList(list):  # type: ignore[type-arg]
     """A list written on one line (`[0.1, 0.2]`): long columns of floats are unreadable."""
 
 
+class FlowDict(dict):  # type: ignore[type-arg]
+    """A small nested record written on one line (`{tokens: 64, rounds: 2}`)."""
+
+
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The profile as the plain document stored in YAML (and printed by `inspect --json`)."""
     return _record_to_dict(Profile, profile)
@@ -56,7 +60,8 @@ def _value_to_document(f: DocField, value: Any) -> Any:
     if value is None and (f.optional or f.kind in ("str", "int", "float", "bool")):
         return None
     if f.kind == "record":
-        return _record_to_dict(f.record, value)
+        document = _record_to_dict(f.record, value)
+        return FlowDict(document) if f.rule.flow else document
     if f.kind == "records":
         key = f.rule.index_key
         return [

@@ -31,7 +31,7 @@ class Rule:
     nullable: bool = False  # null accepted (and read as the default) although the type is not optional
     omit_none: bool = False  # not written at all when None
     omit_default: bool = False  # not written when it holds the dataclass default (files from before it stay byte-identical)
-    flow: bool = False  # lists written on one line
+    flow: bool = False  # lists and nested records written on one line
     digits: int | None = None  # numbers in a list are rounded to this many digits when written
     not_below: str | None = None  # numbers: must not be smaller than this earlier field of the record
     increasing: bool = False  # numbers in a list must be non-decreasing
@@ -48,6 +48,27 @@ class Rule:
 def rule(**constraints: Any) -> dict[str, Rule]:
     """Field metadata: `field(default=None, metadata=rule(low=0, high=1))`."""
     return {RULE_KEY: Rule(**constraints)}
+
+
+@dataclass(frozen=True)
+class Legacy:
+    """A key older files may hold that no longer names a field of its record (the record's
+    `LEGACY_KEYS` table maps each such key to one of these). Its value is checked as a field of
+    `kind` ("str", "int", "float", "bool") with `rule` would be, then dropped; or, with `into`
+    ("field.key"), it becomes entry `key` of the record field `field`, which is left out when its
+    legacy keys do not give all its required entries or this value is `off` (the old "none").
+    A legacy key may share its name with the field it became: it is the legacy one while its value
+    is no mapping."""
+
+    kind: str
+    rule: Rule = Rule()
+    into: str | None = None
+    off: Any = None
+
+
+def legacy(kind: str, *, into: str | None = None, off: Any = None, **constraints: Any) -> Legacy:
+    """An entry of a `LEGACY_KEYS` table: `{"draft_rounds": legacy("int", low=1, into="draft.rounds")}`."""
+    return Legacy(kind, Rule(**constraints), into, off)
 
 
 @dataclass(frozen=True)

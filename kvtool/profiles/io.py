@@ -14,7 +14,7 @@ import yaml
 
 from kvtool.errors import KvtoolError
 from kvtool.files import write_atomic
-from kvtool.profiles.document import FlowList, profile_from_document, profile_to_dict
+from kvtool.profiles.document import FlowDict, FlowList, profile_from_document, profile_to_dict
 from kvtool.profiles.schema import SCHEMA_VERSION, Profile
 from kvtool.profiles.validate import check_document, validate_profile
 
@@ -46,8 +46,7 @@ def read_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file; any problem is a one-line KvtoolError."""
     source = Path(path)
     document = _load_yaml(source)
-    check_document(document, str(source))
-    return profile_from_document(document)
+    return profile_from_document(check_document(document, str(source)))
 
 
 class _ProfileDumper(yaml.SafeDumper):
@@ -58,7 +57,12 @@ def _represent_flow_list(dumper: yaml.SafeDumper, data: FlowList) -> yaml.Node:
     return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
 
 
+def _represent_flow_dict(dumper: yaml.SafeDumper, data: FlowDict) -> yaml.Node:
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True)
+
+
 _ProfileDumper.add_representer(FlowList, _represent_flow_list)
+_ProfileDumper.add_representer(FlowDict, _represent_flow_dict)
 
 
 def _load_yaml(path: Path) -> Any:

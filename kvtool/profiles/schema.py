@@ -8,19 +8,22 @@ reads and writes the file and `kvtool.profiles.validate` checks it, both from th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvtool.profiles.fields import rule
+from kvtool.profiles.fields import Legacy, legacy, rule
 
 SCHEMA_VERSION = 1
 
 MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "similarity-weighted")
-# Which prompt tokens a layer keeps, and which entry goes during generation (kvtool.runtime.selection
-# and kvtool.runtime.eviction hold the rules; a test keeps these names in step with them).
+# Which prompt tokens a layer keeps (kvtool.runtime.selection holds the rules; a test keeps these
+# names in step with them). Which entry goes during generation is a name in the eviction rules'
+# registry (kvtool.runtime.eviction.EVICT_RULES), which this layer cannot see: the runtime checks it
+# when it loads or applies a profile (`load_profile`, `attach`), so a new rule is one file and one
+# registry line there.
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
-EVICTION_RULES = ("fixed-point", "sliding", "heavy-hitter", "heavy-hitter-window", "tova", "prompt-only")
-# What a prompt token is worth (kvtool.runtime.scoring) and whether KV heads choose their own entries.
+# What a prompt token is worth (kvtool.runtime.importance) and whether KV heads choose their own entries.
 SCORERS = ("attention-sum", "window", "union")
 # The scorers that read the observation window and max-pool it (their window and pool matter).
 WINDOW_SCORERS = ("window", "union")
@@ -66,6 +69,29 @@ class ModelFingerprint:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """The answer drafted at the budget to help choose what the prompt keeps (kvtool.runtime.draft).
+
+    Before the prompt is compressed for good, `tokens` greedy tokens are drafted through the
+    compressed cache and the prompt runs again into a fresh cache with them appended: their
+    attention joins the prompt's scores (observation window and column sums), then they are dropped
+    and generation starts from the prompt's end. The cache never holds more than the budget (one
+    prompt forward more per round). Each later round of `rounds` drafts through the cache the last
+    round scored. `verify`: the forward with the draft appended also checks it against its own
+    full-attention logits; the agreed prefix (plus the next token) is the full cache's greedy answer,
+    so later rounds draft from it and the answer starts with it.
+    """
+
+    tokens: int = field(metadata=rule(low=1))
+    rounds: int = field(default=1, metadata=rule(low=1))
+    verify: bool = False
+
+    def capped(self, tokens: int) -> "Draft":
+        """This draft, never longer than `tokens` (a draft longer than the answer scores tokens nobody reads)."""
+        return self if self.tokens <= tokens else dataclasses.replace(self, tokens=max(1, tokens))
+
+
+@dataclass(frozen=True)
 class MethodSettings:
     """How entries are chosen and combined; shared by every layer."""
 
@@ -76,7 +102,7 @@ class MethodSettings:
     # D: generation evicts at prefix_l - D.
     truncation_distance: int = field(default=25, metadata=_NON_NEGATIVE)
     selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
-    eviction: str = field(default="fixed-point", metadata=rule(choices=EVICTION_RULES))
+    eviction: str = "fixed-point"  # a name in kvtool.runtime.eviction.EVICT_RULES (checked there)
     # Profiles written before these fields existed load with these defaults (today's behaviour).
     scorer: str = field(default="attention-sum", metadata=rule(choices=SCORERS))
     # The observation window (last prompt rows) and max-pool width of the "window" scorer.
@@ -89,41 +115,32 @@ class MethodSettings:
     # `recent_window`, whichever keeps more).
     recent_share: float = field(default=0.0, metadata=rule(low=0, high=1))
     ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
-    # Lookahead: the first `lookahead` new tokens are generated with the whole prompt in the cache,
-    # and their attention joins the prompt's scores (observation window and column sums) before
-    # the layer compresses to its share; 0 compresses right after the prompt. The first tokens of
-    # an answer read what the answer needs, which the question alone does not show.
-    lookahead: int = field(default=0, metadata=rule(low=0, omit_default=True))
-    # What the lookahead holds: 0, the whole prompt (the KV memory peaks at the full cache's); c >= 1,
-    # c times each layer's share, the prompt's best-scored entries (the peak is c times the budget).
-    lookahead_hold: float = field(default=0.0, metadata=rule(low=0, omit_default=True))
-    # Draft: before the prompt is compressed, `draft` tokens are generated through the compressed
-    # cache and the prompt is run again with them appended; their attention joins the prompt's
-    # scores (observation window and column sums), then they are dropped and generation starts
-    # from the prompt's end. The cache never holds more than the budget (one prompt forward more).
-    draft: int = field(default=0, metadata=rule(low=0, omit_default=True))
-    # Rounds of the draft: each later round drafts through the cache the previous round scored and
-    # scores the prompt again with that draft (a closer draft; one prompt forward more per round).
-    draft_rounds: int = field(default=1, metadata=rule(low=1, omit_default=True))
-    # Verified drafts: the prompt's forward with the draft appended also checks the draft against
-    # its own full-attention logits; the agreed prefix (plus the next token) is the full cache's
-    # greedy answer, so later rounds draft from it and the answer starts with it (scoring/draft.py).
-    draft_verify: bool = field(default=False, metadata=rule(omit_default=True))
-    # With a verified draft: while the answer is fed the agreed draft tokens, the cache stores the
-    # keys and values the draft's forward computed for them (full attention over the whole prompt,
-    # the full cache's own) instead of recomputing them through the compressed cache.
-    draft_reuse: bool = field(default=False, metadata=rule(omit_default=True))
+    # The answer's first tokens drafted at the budget to score the prompt again (`Draft`); None: the
+    # prompt is compressed once, by its own attention. Written `draft: {tokens: 64, rounds: 2, verify: true}`.
+    draft: Draft | None = field(default=None, metadata=rule(omit_none=True, flow=True))
+
+    # Keys older files may hold (kvtool.profiles.fields.Legacy): the draft was flat keys (`draft: 64`,
+    # `draft_rounds`, `draft_verify`), read into `draft`; the lookahead (new tokens generated over the whole prompt before compressing)
+    # and reused drafts (the verified tokens' keys and values taken from the draft's forward) were
+    # measured as no better and retired: their keys are checked, then ignored.
+    LEGACY_KEYS: ClassVar[dict[str, Legacy]] = {
+        "lookahead": legacy("int", low=0),
+        "lookahead_hold": legacy("float", low=0),
+        "draft": legacy("int", low=0, into="draft.tokens", off=0),
+        "draft_rounds": legacy("int", low=1, into="draft.rounds"),
+        "draft_verify": legacy("bool", into="draft.verify"),
+        "draft_reuse": legacy("bool"),
+    }
 
 
-def draft_phrase(settings: MethodSettings) -> str:
-    """How a recipe's draft reads in reports: "prompt scored again with a 64-token draft (2 rounds)"; "" without."""
-    if not settings.draft:
+def draft_phrase(draft: Draft | None) -> str:
+    """How a recipe's draft reads in reports: "prompt scored again with a 64-token draft (2 rounds, verified)"; "" without."""
+    if draft is None:
         return ""
-    notes = [f"{settings.draft_rounds} rounds"] if settings.draft_rounds > 1 else []
-    notes += ["verified"] if settings.draft_verify else []
-    notes += ["its keys and values reused"] if settings.draft_verify and settings.draft_reuse else []
+    notes = [f"{draft.rounds} rounds"] if draft.rounds > 1 else []
+    notes += ["verified"] if draft.verify else []
     rounds = f" ({', '.join(notes)})" if notes else ""
-    return f"prompt scored again with a {settings.draft}-token draft{rounds}"
+    return f"prompt scored again with a {draft.tokens}-token draft{rounds}"
 
 
 @dataclass(frozen=True)
@@ -165,7 +182,7 @@ class RecipeTrial:
     stage: str  # which step of the search tried it (the rule it varied)
     scorer: str = field(metadata=rule(choices=SCORERS))
     heads: str = field(metadata=rule(choices=HEAD_MODES))
-    eviction: str = field(metadata=rule(choices=EVICTION_RULES))
+    eviction: str  # a name in kvtool.runtime.eviction.EVICT_RULES (checked there)
     recent_share: float = field(metadata=rule(low=0, high=1))
     merge: str = field(metadata=rule(choices=MERGE_MODES))
     truncation_distance: int = field(metadata=_NON_NEGATIVE)
@@ -180,7 +197,7 @@ class RecipeTrial:
     selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
     # On the held-out calibration prompts, for the recipes confirmed there; left out otherwise.
     held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
-    # Measured with the profile's draft by the draft stage (`kvtool calibrate --draft-stage`), on the
+    # Measured with the profile's draft by the draft stage (`kvtool calibrate --draft ...,stage`), on the
     # prompts that chose and on the held-out ones; left out for recipes it did not measure.
     drafted_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
     drafted_held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
@@ -194,7 +211,7 @@ class CalibrationInfo:
     # ignored. `curve_importance` named the per-token score the Lorenz curves were built from ("mean"
     # or the plain column "sum"); only "mean" is made now, but ratios solved on "sum" curves are
     # still a calibration the runtime applies as it is.
-    LEGACY_KEYS: ClassVar[dict[str, tuple[str, ...]]] = {"curve_importance": ("mean", "sum")}
+    LEGACY_KEYS: ClassVar[dict[str, Legacy]] = {"curve_importance": legacy("str", choices=("mean", "sum"))}
 
     dataset_hash: str
     samples: int = field(metadata=rule(low=1))

@@ -8,6 +8,7 @@ dataclasses to a document first).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 from collections.abc import Iterable
@@ -15,7 +16,7 @@ from typing import Any
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles.document import profile_to_dict
-from kvtool.profiles.fields import DocField, Rule, document_fields
+from kvtool.profiles.fields import DocField, Legacy, Rule, document_fields
 from kvtool.profiles.schema import SCHEMA_VERSION, Profile
 
 SUPPORTED_SCHEMA_VERSIONS = (SCHEMA_VERSION,)
@@ -30,14 +31,17 @@ def validate_profile(profile: Profile, source: str = "profile") -> None:
     check_document(document, source)
 
 
-def check_document(doc: Any, source: str) -> None:
-    """Raise KvtoolError unless `doc` (parsed YAML) is a valid profile document."""
+def check_document(doc: Any, source: str) -> dict[str, Any]:
+    """Raise KvtoolError unless `doc` (parsed YAML) is a valid profile document; return it in
+    today's form (a copy, each record's legacy keys replaced by what they became)."""
     root = _Node(doc, "", source)
     if not isinstance(doc, dict):
         raise root.fail(f"expected a YAML mapping at the top level, got {_describe(doc)}")
     # Version first: a newer file should say "unsupported version", not "unknown field".
     _check_schema_version(root)
-    _check_record(root, Profile, doc)
+    doc = copy.deepcopy(doc)
+    _check_record(_Node(doc, "", source), Profile, doc)
+    return doc
 
 
 def _check_schema_version(root: _Node) -> None:
@@ -52,11 +56,13 @@ def _check_schema_version(root: _Node) -> None:
 def _check_record(node: _Node, cls: type, doc: dict, index: tuple[str, int] | None = None) -> None:
     """A mapping holding the fields of dataclass `cls`, and with `index` its position in a list."""
     fields = document_fields(cls)
-    legacy: dict[str, tuple[str, ...]] = getattr(cls, "LEGACY_KEYS", {})
+    legacy: dict[str, Legacy] = getattr(cls, "LEGACY_KEYS", {})
     index_key = () if index is None else (index[0],)
     required = (*index_key, *(f.name for f in fields if f.required))
     optional = (*(f.name for f in fields if not f.required), *legacy)
     node.mapping(required, optional)
+    if legacy:
+        _upgrade_legacy(node, fields, legacy, doc)
     if index is not None:
         key, expected = index
         position = node.child(key).integer()
@@ -67,10 +73,36 @@ def _check_record(node: _Node, cls: type, doc: dict, index: tuple[str, int] | No
     for f in fields:
         if f.name in node.value:
             _check_field(node.child(f.name), f, doc, node)
-    for key, allowed in legacy.items():
-        value = node.value.get(key)
-        if value is not None and value not in allowed:
-            raise node.fail(f"{node.path}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _upgrade_legacy(node: _Node, fields: tuple[DocField, ...], legacy: dict[str, Legacy], doc: dict) -> None:
+    """Check the legacy keys of record `node` (its class's `LEGACY_KEYS`) and replace them, in
+    place, by what they became: nothing, or entries of a record field (`Legacy.into`)."""
+    by_name = {f.name: f for f in fields}
+    moved: dict[str, dict[str, Any]] = {}
+    off: set[str] = set()
+    for key, old in legacy.items():
+        if key not in node.value or (key in by_name and isinstance(node.value[key], dict)):
+            continue  # absent, or the field of that name in today's form
+        at = node.child(key)
+        del node.value[key]
+        if at.value is None:
+            continue
+        if old.rule.choices and at.value not in old.rule.choices:
+            raise at.fail(f"{at.path} must be one of {', '.join(old.rule.choices)}, got {at.value!r}")
+        _check_field(at, DocField(key, old.kind, old.rule, False, True, True, None), doc, node)
+        if old.into is None:
+            continue
+        target, _, entry = old.into.partition(".")
+        if target in node.value:
+            raise at.fail(f"{at.path} is the old form of {node._sub(target)}, which is given too")
+        moved.setdefault(target, {})[entry] = at.value
+        if old.off is not None and at.value == old.off:
+            off.add(target)
+    for target, entries in moved.items():
+        needed = [f.name for f in document_fields(by_name[target].record) if f.required]
+        if target not in off and all(name in entries for name in needed):
+            node.value[target] = entries
 
 
 def _check_field(node: _Node, f: DocField, doc: dict, record: _Node) -> None:

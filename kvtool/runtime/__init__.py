@@ -2,8 +2,12 @@
 
     profile = load_profile("profile.yaml")          # or uniform_profile(model, budget=0.2)
     handle = attach(model, profile)
-    out = model.generate(**inputs, cache=handle.new_cache(), max_new_tokens=256)  # < 5.24: past_key_values=
+    out = handle.generate(**inputs, max_new_tokens=256)  # model.generate with the profile's cache and draft
     handle.detach()
+
+`model.generate(**inputs, cache=handle.new_cache())` (`past_key_values=` before transformers 5.24)
+works too for a profile without a draft; for one with a draft `new_cache()` refuses, since a bare
+cache would skip it.
 """
 
 from kvtool.runtime.attach import KvtoolHandle, attach, load_profile, uniform_profile

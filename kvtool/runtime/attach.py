@@ -7,12 +7,13 @@ import datetime as _dt
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvtool import __version__
 from kvtool.errors import KvtoolError
-from kvtool.models.forward import passed_cache
+from kvtool.models.forward import CACHE_NAMES, passed_cache
 from kvtool.models.vision import image_token_ids
 from kvtool.profiles import (
     LayerProfile,
@@ -25,9 +26,11 @@ from kvtool.profiles.budget import rebudget
 from kvtool.runtime import attention
 from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
+from kvtool.runtime.draft import generate as draft_generate
 from kvtool.runtime.grouped import GroupedCache
+from kvtool.runtime.held import HeldCache
 from kvtool.runtime.layer import LayerPlan
-from kvtool.runtime.eviction import evict_rule
+from kvtool.runtime.eviction import EVICT_RULES, evict_rule
 from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.selection import select_rule
 
@@ -44,6 +47,7 @@ def load_profile(path: str | Path, budget: float | None = None) -> Profile:
     cannot be re-budgeted.
     """
     profile = read_profile(path)
+    check_rule_names(profile, str(path))
     if budget is None or float(budget) == profile.budget:
         return profile
     updated, allocation = rebudget(profile, budget, source=str(path))
@@ -53,6 +57,17 @@ def load_profile(path: str | Path, budget: float | None = None) -> Profile:
         path, profile.budget, updated.budget, allocation.p,
     )
     return updated
+
+
+def check_rule_names(profile: Profile, source: str = "profile") -> None:
+    """One-line KvtoolError unless every eviction rule `profile` names is registered: the profile
+    layer stores the name, the registry (kvtool.runtime.eviction.EVICT_RULES) says which exist."""
+    named = [("method.eviction", profile.method.eviction)]
+    trials = profile.calibration.recipes if profile.calibration is not None else None
+    named += [(f"calibration.recipes[{i}].eviction", trial.eviction) for i, trial in enumerate(trials or ())]
+    for where, name in named:
+        if name not in EVICT_RULES:
+            raise KvtoolError(f"{source}: {where} must be one of {', '.join(EVICT_RULES)}, got {name!r}")
 
 
 def uniform_profile(model, budget: float, method: MethodSettings | None = None) -> Profile:
@@ -98,8 +113,6 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
                 heads=method.heads,
                 recent_share=method.recent_share,
                 min_kept=min_kept,
-                lookahead=method.lookahead,
-                lookahead_hold=method.lookahead_hold,
             )
         )
     return plans
@@ -107,7 +120,8 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
 
 @dataclass
 class KvtoolHandle:
-    """A model switched to kvtool attention; `new_cache()` per generate call, `detach()` when done."""
+    """A model switched to kvtool attention; `generate(...)` (or `model.generate` with `new_cache()`
+    for a profile without a draft) per generate call, `detach()` when done."""
 
     model: object
     profile: Profile
@@ -118,8 +132,31 @@ class KvtoolHandle:
     min_kept: int = 0  # the floor `attach` was given; caches for other profiles keep it too
 
     def new_cache(self, *, record_importance: bool = False) -> KvtoolCache:
-        """A fresh cache for one generate call. `record_importance` keeps each layer's prompt
-        importance on the cache (calibration reads it)."""
+        """A fresh cache for one `model.generate` call. A profile whose method drafts its answer
+        (`MethodSettings.draft`) refuses: a bare cache would silently skip the draft; `generate` applies it.
+        `record_importance` keeps each layer's prompt importance on the cache (calibration reads it)."""
+        if self.profile.method.draft is not None:
+            raise KvtoolError(
+                "this profile drafts its answer before generating, which a bare cache would skip: "
+                "call handle.generate(**inputs, ...) instead of model.generate(..., cache=handle.new_cache())"
+            )
+        return self.bare_cache(record_importance=record_importance)
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        """`model.generate(**kwargs)` with this profile's cache, as `kvtool generate` runs it: a fresh
+        kvtool cache, the prompt first compressed with the profile's draft where it has one
+        (`kvtool.runtime.draft.generate`). Tensor arguments are the model inputs (`**tokenizer(...)`),
+        the rest generate's own (`max_new_tokens`, `do_sample`, ...)."""
+        if any(key in kwargs for key in CACHE_NAMES):
+            raise KvtoolError("handle.generate makes its own kvtool cache; leave out cache= / past_key_values=")
+        inputs = {key: value for key, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        rest = {key: value for key, value in kwargs.items() if key not in inputs}
+        return draft_generate(self.model, inputs, self.bare_cache, self.profile.method.draft, **rest)[0]
+
+    def bare_cache(self, *, record_importance: bool = False) -> KvtoolCache:
+        """A fresh cache that compresses the prompt by its own attention, whatever the profile's draft:
+        for callers that run the draft themselves (`kvtool.runtime.draft.prepare`) or measure without it
+        (calibration)."""
         if not self.attached:
             raise KvtoolError("this kvtool handle was detached; attach the profile again")
         plans = self._plans
@@ -166,18 +203,15 @@ def _forward_pre_hook(image_tokens: tuple[int, ...]):
     with_kwargs=True)`). For a call whose cache (`cache` or `past_key_values`) is a KvtoolCache it passes the cache on to
     the attention function under CACHE_KWARG (attention.py says why), and on the forward that fills
     the cache hands it the prompt's image-token mask: `input_ids` in `image_tokens` and not padding
-    (vision-language models; `image_tokens` is empty for text models). While the cache follows a
-    verified draft it hands it each forward's tokens (`KvtoolCache.next_tokens`). Calls with any
-    other cache pass through untouched."""
+    (vision-language models; `image_tokens` is empty for text models). Calls with any other cache
+    pass through untouched."""
 
     def hook(module, args, kwargs):
         cache = passed_cache(kwargs)
-        if not isinstance(cache, (KvtoolCache, GroupedCache)):
+        if not isinstance(cache, (KvtoolCache, GroupedCache, HeldCache)):
             return None
         if image_tokens and isinstance(cache, KvtoolCache) and cache.awaiting_prompt:
             cache.set_image_mask(_image_mask(args, kwargs, image_tokens))
-        if isinstance(cache, KvtoolCache) and cache.follows_draft:
-            cache.next_tokens(kwargs.get("input_ids", args[0] if args else None))
         return args, {**kwargs, CACHE_KWARG: cache}
 
     return hook

@@ -26,8 +26,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvtool.runtime.importance import attention_with_scores, decode_attention_with_scores, prompt_scores
 from kvtool.runtime.grouped import GroupedLayer
+from kvtool.runtime.held import HeldLayer
+from kvtool.runtime.importance import ScoreRequest, attention_with_scores, decode_attention_with_scores, prompt_scores
+from kvtool.runtime.importance import chunked
 from kvtool.runtime.layer import CompressingLayer
 
 ATTENTION_NAME = "kvtool"
@@ -53,6 +55,8 @@ def kvtool_attention_forward(
             for unit, rows in layer.units()
         ]
         return layer.assemble([output for output, _ in outputs]), None
+    if isinstance(layer, HeldLayer):
+        return _attend_held(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if not isinstance(layer, CompressingLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return _attend(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -95,6 +99,16 @@ def _attend(
     else:
         out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
     layer.evict_over_budget()
+    return out
+
+
+def _attend_held(layer: HeldLayer, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """New rows over a held prompt (held.py): sdpa's output, and the probabilities the rows give
+    every column summed per KV head (k rows against n columns: a small part of a prompt pass)."""
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    _, layer.scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.CHUNK_ELEMENTS, ScoreRequest(heads=True))
     return out
 
 

@@ -10,7 +10,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
+from kvtool.runtime.importance import PromptScores, with_rows
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
+from kvtool.runtime.layer.prompt import HeldPrompt
 
 
 class KvtoolCache(DynamicCache):
@@ -28,12 +30,6 @@ class KvtoolCache(DynamicCache):
                 raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}; only full-attention layers compress")
             self.layers[i] = CompressingLayer(plan)
         self.image_mask: torch.Tensor | None = None  # [B, n] image-token positions of the prompt
-        # A verified draft the rows are fed (`reuse_draft`): its tokens [B, top] while some row may
-        # still follow it, else None.
-        self._draft_tokens: np.ndarray | None = None
-        self._draft_agreed = np.zeros(0, dtype=np.int64)  # [B] agreed draft tokens per row
-        self._draft_following = np.zeros(0, dtype=bool)  # [B] rows fed their draft so far
-        self._draft_step = 0  # forwards since `reuse_draft`
 
     @property
     def awaiting_prompt(self) -> bool:
@@ -51,10 +47,10 @@ class KvtoolCache(DynamicCache):
         for layer in self.compressing_layers().values():
             layer.set_prompt_image(self.image_mask)
 
-    def set_draft(self, tokens: int, keep: bool = False) -> None:
+    def set_draft(self, tokens: int) -> None:
         """The next forward is the prompt followed by `tokens` draft rows, which score the prompt
-        and are then dropped (`CompressingLayer.set_draft`; `keep`: their keys and values are held
-        for `reuse_draft`); every layer must compress, since a plain layer would keep the draft."""
+        and are then dropped (`CompressingLayer.set_draft`); every layer must compress, since a plain
+        layer would keep the draft."""
         plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
         if tokens and plain:
             raise KvtoolError(
@@ -62,45 +58,40 @@ class KvtoolCache(DynamicCache):
                 "(sliding-window layers of hybrid models cannot drop the draft)"
             )
         for layer in self.compressing_layers().values():
-            layer.set_draft(tokens, keep)
+            layer.set_draft(tokens)
 
-    def reuse_draft(self, draft: torch.Tensor, agreed: np.ndarray) -> None:
-        """Row b's first `agreed[b]` tokens of `draft` [B, k] are the full cache's own answer (a
-        verified draft, right after the prompt forward that kept it: `set_draft(..., keep=True)`).
-        While a row is fed exactly those tokens, each step stores the draft forward's keys and
-        values for its token (computed with full attention over the whole prompt, as the full cache
-        computes them) instead of the ones it computes through the compressed cache. Whoever feeds
-        other tokens (a sampled answer, a teacher-forced reference) gets the usual ones from there on:
-        `attach`'s hook hands every forward's tokens to `next_tokens`."""
-        agreed = np.minimum(np.asarray(agreed, dtype=np.int64).reshape(-1), draft.shape[1])
-        top = int(agreed.max(initial=0))
-        self._draft_tokens = draft[:, :top].cpu().numpy() if top > 0 else None
-        self._draft_agreed = agreed
-        self._draft_following = np.ones(len(agreed), dtype=bool)
-        self._draft_step = 0
-        for layer in self.compressing_layers().values():
-            layer.reuse_draft(agreed)
+    def hold_prompt(self) -> None:
+        """Every layer keeps its whole prompt aside when it compresses it (`take_held`): a draft's rows
+        then read it in one forward of their own (runtime.draft, runtime.held)."""
+        self._need_every_layer("a draft")
+        for layer in self.layers:
+            layer.hold_prompt()
 
-    @property
-    def follows_draft(self) -> bool:
-        """True while some row may still be fed its verified draft (`reuse_draft`)."""
-        return self._draft_tokens is not None
+    def take_held(self) -> list[HeldPrompt]:
+        """The prompt each layer held (`hold_prompt`), handed over: the layers let go of it."""
+        held = []
+        for layer in self.layers:
+            if layer.held is None:
+                raise KvtoolError("internal: no held prompt: call hold_prompt() before the prompt forward")
+            held.append(layer.held)
+            layer.held = None
+        return held
 
-    def next_tokens(self, input_ids: torch.Tensor | None) -> None:
-        """The tokens the next forward feeds ([B, 1]): rows still on their verified draft take its
-        keys and values this step; a row that leaves it never comes back."""
-        t = self._draft_step
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[1] == 1:
-            fed = input_ids[:, 0].cpu().numpy()
-            take = self._draft_following & (t < self._draft_agreed) & (fed == self._draft_tokens[:, t])
-        else:  # not one token per row: nothing here is the draft's
-            take = np.zeros(len(self._draft_agreed), dtype=bool)
-        self._draft_following = take
-        self._draft_step = t + 1
-        if not take.any() or t + 1 >= self._draft_tokens.shape[1]:
-            self._draft_tokens = None
-        for layer in self.compressing_layers().values():
-            layer.take_draft(take)
+    def compress_held(self, held: Sequence[HeldPrompt], rows: Sequence[PromptScores], image_mask: torch.Tensor | None) -> None:
+        """Fill this fresh cache from held prompts, with more rows' column sums (a draft's) added
+        to each layer's scores: what one forward of the prompt and those rows would leave here."""
+        self._need_every_layer("a draft")
+        self.image_mask = image_mask
+        for layer, prompt, extra in zip(self.layers, held, rows, strict=True):
+            layer.compress_held(prompt, with_rows(prompt.scores, extra))
+
+    def _need_every_layer(self, what: str) -> None:
+        plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
+        if plain:
+            raise KvtoolError(
+                f"{what} needs every layer to be a kvtool layer; layers {plain[:3]} keep transformers' own "
+                "(sliding-window layers of hybrid models)"
+            )
 
     def kept_image(self) -> dict[int, np.ndarray]:
         """Per compressing layer, the kept entries of each sequence that came from image tokens ([B])."""
@@ -120,10 +111,7 @@ class KvtoolCache(DynamicCache):
         self._map_rows(lambda t: t.index_select(0, indices.to(t.device)))
 
     def _map_rows(self, fn) -> None:
-        """The cache's own per-row state follows a reordered batch: the image mask is mapped, and a
-        followed draft ends (the rows are no longer the ones it was verified for; the layers drop
-        their held entries too)."""
-        self._draft_tokens = None
+        """The cache's own per-row state (the image mask) follows a reordered batch."""
         if self.image_mask is not None:
             self.image_mask = fn(self.image_mask)
 

@@ -38,3 +38,25 @@ def kv_bytes(cache: Any) -> int:
 def kv_bytes_full(cache: Any) -> int:
     """Bytes a plain transformers cache would hold for the same tokens."""
     return sum(layer_full_bytes(layer) for layer in cache.layers)
+
+
+# A prompt whose whole KV cache is below this share of the model's weights is left uncompressed:
+# compression could save at most that share of the memory, and scoring and a draft would cost more
+# time than the answer itself (`kvtool generate smollm2 "Name three colours."`: docs/results.md).
+SHORT_PROMPT_SHARE = 0.01
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Key and value bytes one token takes in every layer of `model`'s language model."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+
+
+def too_short_to_compress(model: Any, attention_mask: Any) -> bool:
+    """True when even the longest row's full KV cache is under SHORT_PROMPT_SHARE of the weights' bytes."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    longest = int(attention_mask.sum(dim=1).max())
+    return longest * kv_bytes_per_token(model) < SHORT_PROMPT_SHARE * weights

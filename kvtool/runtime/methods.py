@@ -32,23 +32,12 @@ class Method:
     heads: str = "shared"
     # The calibrated recipe as it is: every rule and the ratios from the profile (`kvtool`).
     recipe: bool = False
-    # Recipe methods: new tokens generated over the whole prompt before compressing, in place of the
-    # profile's (None: the profile's own).
-    lookahead: int | None = None
-    lookahead_hold: float = 0.0  # with `lookahead`: what is held meanwhile (MethodSettings.lookahead_hold)
-    # Recipe methods: tokens drafted through the compressed cache to score the prompt again, in place
-    # of the profile's (None: the profile's own).
-    draft: int | None = None
+    # Recipe methods: the prompt compressed once, by its own attention, without the profile's draft.
+    no_draft: bool = False
 
 
 # The calibrated recipe: what `generate`, `eval` and `bench` run by default.
 DEFAULT_METHOD = "kvtool"
-# `kvtool-lookahead`: 8 tokens over twice each layer's share. On the 30 calibration prompts neither
-# built-in profile draws (budget 0.2, NLL scored from the 16th token on): NLL per token -0.098 +-
-# 0.046 against no lookahead, within noise of holding the whole prompt (-0.016 +- 0.018) at a KV
-# peak of 39% instead of 95%; needles 0.708 vs 0.208 (README, "Lookahead").
-LOOKAHEAD_TOKENS = 8
-LOOKAHEAD_HOLD = 2.0
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -66,17 +55,9 @@ METHODS: dict[str, Method] = {
             True, "importance", None, "prompt-only", recipe=True,
         ),
         Method(
-            "kvtool-lookahead",
-            f"kvtool's calibrated recipe with a {LOOKAHEAD_TOKENS}-token lookahead: each layer holds {LOOKAHEAD_HOLD:g}x its "
-            f"share of the prompt for the first {LOOKAHEAD_TOKENS} new tokens, whose attention joins the prompt's scores, "
-            f"then compresses to its share (the KV memory peaks at {LOOKAHEAD_HOLD:g}x the budget, then holds it)",
-            True, "importance", None, None, recipe=True, lookahead=LOOKAHEAD_TOKENS, lookahead_hold=LOOKAHEAD_HOLD,
-            draft=0,
-        ),
-        Method(
             "kvtool-no-draft",
             "kvtool's calibrated recipe compressing the prompt once, by the prompt's own attention (no draft)",
-            True, "importance", None, None, recipe=True, draft=0,
+            True, "importance", None, None, recipe=True, no_draft=True,
         ),
         Method("local", "StreamingLLM: sink tokens plus the most recent ones", False, "recent", "none", "sliding"),
         Method(
@@ -150,10 +131,8 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
             rules = profile.method
             if method.eviction is not None:
                 rules = dataclasses.replace(rules, eviction=method.eviction)
-            if method.lookahead is not None:
-                rules = dataclasses.replace(rules, lookahead=method.lookahead, lookahead_hold=method.lookahead_hold)
-            if method.draft is not None:
-                rules = dataclasses.replace(rules, draft=method.draft)
+            if method.no_draft:
+                rules = dataclasses.replace(rules, draft=None)
             return profile if rules == profile.method else dataclasses.replace(profile, method=rules)
         # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
         base_method = calibrated.method
@@ -171,12 +150,12 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
 def method_settings(name: str, base: MethodSettings) -> MethodSettings:
     """The rules of the named (non-recipe) method, with `base`'s sinks, recent window, D and, where
     the method leaves it to calibration, merge mode. Baselines compress right after the prompt, as
-    their papers do (no lookahead)."""
+    their papers do (no draft)."""
     method = get_method(name)
     if method.recipe:
         raise KvtoolError(f"method {name!r} is the calibrated recipe, not a fixed set of rules")
     return dataclasses.replace(
         base, selection=method.selection, merge=method.merge or base.merge, eviction=method.eviction,
         scorer=method.scorer, window=method.window, pool=method.pool, heads=method.heads, recent_share=0.0,
-        ratios="scorer" if method.per_layer else "uniform", lookahead=0, lookahead_hold=0.0, draft=0,
+        ratios="scorer" if method.per_layer else "uniform", draft=None,
     )

@@ -1,9 +1,9 @@
 """The scoring engine calibration and evaluation share: prompts encoded and batched, the prompt
 forward (recording importance through a kvtool cache), reference continuations and teacher-forced
-NLL through a full or compressed cache, all on one token-stepping loop."""
+NLL through a full or compressed cache, all on one token-stepping loop (the runtime's, which the
+draft, `kvtool.runtime.draft`, runs on too)."""
 
 from kvtool.scoring.batches import Batch, encode_batches, left_pad, make_batches, model_positions
-from kvtool.scoring.draft import Verified, draft_prompt_forward, drafted_prompt
 from kvtool.scoring.encoding import Encoded, encode_answers, encode_prompt, encode_samples
 from kvtool.scoring.engine import (
     Forced,
@@ -26,9 +26,6 @@ __all__ = [
     "PromptMeanNll",
     "References",
     "StepHook",
-    "Verified",
-    "draft_prompt_forward",
-    "drafted_prompt",
     "encode_answers",
     "encode_batches",
     "encode_prompt",

@@ -22,28 +22,15 @@ import torch
 
 from kvtool.data import Record
 from kvtool.profiles import MethodSettings
+from kvtool.runtime.steps import Prompt
 from kvtool.scoring.encoding import Encoded, encode_answers, encode_samples
 
 
 @dataclass(frozen=True)
-class Batch:
-    """Left-padded prompts; `rows` are the positions of these prompts in the sample list."""
+class Batch(Prompt):
+    """Left-padded prompts (`runtime.steps.Prompt`); `rows` are the positions of these prompts in the sample list."""
 
-    rows: tuple[int, ...]
-    input_ids: torch.Tensor  # [B, W]
-    attention_mask: torch.Tensor  # [B, W]
-    position_ids: torch.Tensor  # [B, W]
-    # Further inputs of the prompt forward (pixel values and the like); empty for text prompts.
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    # [B, 1] added to the text positions of new tokens: Qwen2-VL's mrope delta (an image block takes
-    # fewer positions than tokens); None elsewhere.
-    position_offset: torch.Tensor | None = None
-
-    @property
-    def next_positions(self) -> torch.Tensor:
-        """[B, 1] position of each row's first new token."""
-        following = self.attention_mask.sum(dim=1, keepdim=True)
-        return following if self.position_offset is None else following + self.position_offset
+    rows: tuple[int, ...] = field(kw_only=True)
 
     def repeated(self, times: int) -> "Batch":
         """The same prompts `times` times over, block after block, for decoding several caches of

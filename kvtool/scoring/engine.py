@@ -1,9 +1,9 @@
-"""The prompt forward and the token-by-token steps after it, through any cache (full or compressed).
+"""Scoring through any cache (full or compressed): references and teacher-forced NLL, token by token.
 
 Calibration and evaluation score the same way: one prompt forward per batch (which, through a
 kvtool cache created with `record_importance`, also records every compressing layer's importance),
-then one token per row per step, from the prompt's last logits on. `step_tokens` is that loop;
-what a step does with its logits differs:
+then one token per row per step, from the prompt's last logits on. `step_tokens` is that loop
+(`kvtool.runtime.steps`, which the draft runs on too); what a step does with its logits differs:
 
 - `reference_continuations` picks the next token (greedy, or the dataset's answer) and scores it:
   on a full cache these are the references and their full-cache NLL;
@@ -17,83 +17,19 @@ and not scored. PPL = exp(mean NLL), pooled over all scored tokens of all sample
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvtool.models.forward import with_cache
+from kvtool.runtime.steps import StepAction, StepHook, prompt_forward, prompt_logits, step_tokens
 from kvtool.scoring.batches import Batch
 
-StepHook = Callable[[], None]
-# Given the step and the logits [B, V] that predict its tokens, the [B] tokens to feed next, or
-# None when nothing more needs to be fed.
-StepAction = Callable[[int, torch.Tensor], "torch.Tensor | None"]
-
-
-def prompt_forward(model: Any, batch: Batch, cache: Any) -> Any:
-    """The prompt forward of `batch` into `cache`; returns the [B, V] logits of its last position."""
-    return prompt_logits(model, batch, cache, 1)[:, -1]
-
-
-def prompt_logits(model: Any, batch: Batch, cache: Any, keep: int) -> torch.Tensor:
-    """The prompt forward of `batch` into `cache`; returns the logits of its last `keep` positions [B, keep, V]."""
-    device = model.device
-    # Pixel inputs (vision-language prompts) in the model's dtype; index tensors as they are.
-    extras = {
-        key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
-        for key, value in batch.extras.items()
-    }
-    # Only the last `keep` positions' logits are needed; the full [B, W, vocab] tensor is most of
-    # a small model's prompt cost.
-    out = model(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-        **with_cache(model, cache),
-        use_cache=True,
-        logits_to_keep=keep,
-        **extras,
-    )
-    return out.logits
-
-
-def step_tokens(
-    model: Any,
-    cache: Any,
-    first_logits: torch.Tensor,
-    batch: Batch,
-    steps: int,
-    action: StepAction,
-    on_step: StepHook | None = None,
-) -> None:
-    """Run up to `steps` steps after the prompt forward, feeding one token per row through `cache`.
-
-    Step t hands `action` the logits that predict its tokens (the prompt's last logits at t = 0);
-    the tokens `action` returns are fed, with the attention mask and positions the rows continue
-    from, except after the last step (nothing would use the logits) or when it returns None.
-    `on_step` is called after every forward.
-    """
-    rows = first_logits.shape[0]
-    device = first_logits.device
-    mask, position = batch.attention_mask.to(device), batch.next_positions.to(device)
-    logits = first_logits
-    for t in range(steps):
-        token = action(t, logits)
-        if token is None or t == steps - 1:
-            break
-        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-        logits = _forward(model, token[:, None], mask, position, cache)
-        position = position + 1
-        if on_step:
-            on_step()
-
-
-def _forward(model: Any, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
-    out = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True, **with_cache(model, cache))
-    return out.logits[:, -1]
-
+__all__ = [  # the prompt forward and the step loop are the runtime's (`runtime.steps`), shared with the draft
+    "StepAction", "StepHook", "prompt_forward", "prompt_logits", "step_tokens", "References", "NllTotal",
+    "PromptMeanNll", "reference_continuations", "Forced", "teacher_forced", "teacher_forced_nll",
+]
 
 def _nll(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
@@ -175,7 +111,7 @@ def reference_continuations(
     `cache` holds the prompt and `first_logits` [B, V] the prompt forward's last logits. A row with
     an answer is forced along it (cut to `length`) and ends with it; a row without one follows its
     argmax until its first EOS or `length` tokens, after the tokens of `prefix` (a verified
-    draft's, `scoring.draft.Verified`) where it has them.
+    draft's, `runtime.draft.Verified`) where it has them.
     """
     rows = first_logits.shape[0]
     device = first_logits.device

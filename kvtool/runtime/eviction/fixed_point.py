@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtool.runtime.eviction.base import EvictRule, oldest_unfrozen, queue_view
+from kvtool.runtime.eviction.base import EntryView, EvictRule, oldest_unfrozen, queue_view
 
 
 def frozen_prefix(kept_prompt: np.ndarray, truncation_distance: int, sink_tokens: int) -> np.ndarray:
@@ -24,5 +24,5 @@ class FixedPoint(EvictRule):
     def frozen_count(self, prompt_kept: np.ndarray, *, truncation_distance: int, sink_tokens: int) -> np.ndarray:
         return frozen_prefix(prompt_kept, truncation_distance, sink_tokens)
 
-    def victim(self, layer) -> torch.Tensor:
-        return oldest_unfrozen(*queue_view(layer))
+    def victim(self, entries: EntryView) -> torch.Tensor:
+        return oldest_unfrozen(*queue_view(entries))

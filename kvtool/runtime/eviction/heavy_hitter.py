@@ -7,23 +7,24 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.runtime.eviction.base import EvictRule, entry_valid
+from kvtool.runtime.eviction.base import EntryView, EvictRule
 
 
 class HeavyHitter(EvictRule):
     name = "heavy-hitter"
     needs_scores = True
 
-    def victim(self, layer) -> torch.Tensor:
+    def victim(self, entries: EntryView) -> torch.Tensor:
         # Real tokens occupy the last logical columns of each row, so the newest `share // 2` of them
         # are the columns from `seen - share // 2` on.
-        newest = layer.seen - layer.share // 2
+        order = entries.order
+        newest = entries.seen - entries.share // 2
         if (newest == newest[0]).all():
-            old = layer.order < int(newest[0])  # a scalar bound: no index tensor to build
+            old = order < int(newest[0])  # a scalar bound: no index tensor to build
         else:
-            newest = torch.as_tensor(newest, device=layer.order.device)
-            old = layer.order < newest.view(-1, *([1] * (layer.order.dim() - 1)))
-        old &= entry_valid(layer)
+            newest = torch.as_tensor(newest, device=order.device)
+            old = order < newest.view(-1, *([1] * (order.dim() - 1)))
+        old &= entries.entry_valid
         # No fallback for a row with nothing old: a row over its share holds share + 1 entries of
         # distinct columns, at most share // 2 of them recent; rows within it ignore their victim.
-        return torch.where(old, layer.score, float("inf")).argmin(dim=-1)
+        return torch.where(old, entries.score, float("inf")).argmin(dim=-1)

@@ -14,15 +14,14 @@ from __future__ import annotations
 import torch
 
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
-from kvtool.runtime.importance import PromptScores, ScoreRequest
-from kvtool.runtime.scoring.window import WindowScorer
+from kvtool.runtime.importance import PromptScores, ScoreRequest, WindowScorer
 
 
 class HeavyHitterWindow(HeavyHitter):
     name = "heavy-hitter-window"
 
-    def seed_request(self, plan, per_head: bool) -> ScoreRequest:
-        return ScoreRequest(window=plan.window)
+    def seed_request(self, per_head: bool, *, window: int) -> ScoreRequest:
+        return ScoreRequest(window=window)
 
-    def seed(self, scores: PromptScores, token_valid: torch.Tensor, plan, per_head: bool) -> torch.Tensor:
-        return WindowScorer(window=plan.window, pool=plan.pool).score(scores, token_valid, per_head)
+    def seed(self, scores: PromptScores, token_valid: torch.Tensor, per_head: bool, *, window: int, pool: int) -> torch.Tensor:
+        return WindowScorer(window=window, pool=pool).score(scores, token_valid, per_head)

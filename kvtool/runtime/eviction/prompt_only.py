@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.runtime.eviction.base import EvictRule
+from kvtool.runtime.eviction.base import EntryView, EvictRule
 
 
 class PromptOnly(EvictRule):
     name = "prompt-only"
     holds_budget = False
 
-    def victim(self, layer) -> torch.Tensor:
+    def victim(self, entries: EntryView) -> torch.Tensor:
         raise AssertionError("prompt-only compression never evicts")  # the layer never asks

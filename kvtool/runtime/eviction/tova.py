@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.eviction.base import EvictRule, entry_valid
+from kvtool.runtime.eviction.base import EntryView, EvictRule
 
 
 class Tova(EvictRule):
@@ -20,8 +20,8 @@ class Tova(EvictRule):
     def frozen_count(self, prompt_kept: np.ndarray, *, truncation_distance: int, sink_tokens: int) -> np.ndarray:
         return np.minimum(sink_tokens, np.asarray(prompt_kept, dtype=np.int64))
 
-    def victim(self, layer) -> torch.Tensor:
-        attention = layer.attention
+    def victim(self, entries: EntryView) -> torch.Tensor:
+        attention = entries.attention
         if attention is None:
             raise KvtoolError(
                 "the tova eviction rule needs the new token's attention probabilities, which kvtool computes "
@@ -30,8 +30,8 @@ class Tova(EvictRule):
         # The attention covers the slots the token attended to (the layer's first ones, or all of
         # them); the slots after those are free.
         width = attention.shape[-1]
-        valid = entry_valid(layer)[..., :width]
-        candidates = valid & ~layer.frozen[..., :width]
+        valid = entries.entry_valid[..., :width]
+        candidates = valid & ~entries.frozen[..., :width]
         candidates |= valid & ~candidates.any(dim=-1, keepdim=True)  # only sinks left: anyone
         received = torch.where(candidates, attention, torch.full_like(attention, float("inf")))
         return received.argmin(dim=-1)

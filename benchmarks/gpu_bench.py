@@ -1,0 +1,742 @@
+"""kvtool against the full cache on one GPU at a Llama-3.1-8B shape (random weights): issue 34.
+
+What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own timing loop
+(`kvtool.bench.measure.run_once`: one prompt phase, then `--new-tokens` greedy one-token forwards):
+
+(a) the full cache with each SDPA backend choice (torch's default; cuDNN attention off), the fastest
+    prompt phase of which is the baseline every ratio divides by;
+(b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
+(c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
+    the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
+(d) kvtool's default recipe (the same with the recipe's drafted answer, 64 tokens x 2 rounds, verified);
+each as the median with min-max over `--repeats` runs of: prompt-phase seconds, decode tok/s,
+end-to-end tok/s, KV bytes after the run, peak memory (torch.cuda.max_memory_allocated on a GPU).
+(e) `--capacity`: the largest batch at `--capacity-prompt` (32768) prompt tokens that fits for the full
+    cache and for kvtool's recipe (doubling, then bisecting on torch.cuda.OutOfMemoryError), and
+    the throughput at that batch with `--capacity-new-tokens` (1024) new tokens.
+(f) the prompt kernels alone (kvtool.runtime.kernels.triton_scores) on one layer's q/k/v of each cell:
+    exactness against a float64 brute force at 1024 tokens, and time against torch's SDPA.
+It also runs the CUDA exactness checks of benchmarks/cuda_check.py (float64 tiny Llama) on a GPU.
+
+The target (issue 34): kvtool's prompt phase without a draft at most 1.3x the baseline's at 8192x4
+and 32768x2 on an H100. The Markdown table it prints is the Llama-3.1-8B-shape table of README.md's
+"On a GPU" section and docs/results.md's "On a GPU" (prompt phase, decode, end-to-end, KV and peak
+memory, each against the full cache); `--json PATH` keeps every run (docs/results/bench-gpu-*.json). `--budget-s` (default 420) bounds the whole run: cells
+that would start after it are skipped and the report says which.
+
+    python benchmarks/gpu_bench.py --shape llama3-8b --shapes 8192x4,32768x2 --repeats 3 --json llama3-8b.json
+    python benchmarks/gpu_bench.py --shape tiny --shapes 64x2 --repeats 1 --no-capacity   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.models import use_offline_defaults
+
+use_offline_defaults()  # before transformers is imported: it reads them once
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvtool.bench import measure  # noqa: E402
+from kvtool.bench.measure import RunResult, run_once, truncate_like  # noqa: E402
+from kvtool.profiles import read_profile  # noqa: E402
+from kvtool.profiles.builtin import builtin_profile  # noqa: E402
+from kvtool.runtime import attach, uniform_profile  # noqa: E402
+from kvtool.runtime.attach import layer_plans  # noqa: E402
+
+GIB = 2**30
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.1-8B: 32 layers, 32 query / 8 KV heads of dim 128.
+    "llama3-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5, max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    # A CPU smoke run of the script itself.
+    "tiny": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    ),
+}
+WARMUP_TOKENS = 256  # the warm-up run's prompt (compiles kernels, fills allocator caches)
+WARMUP_NEW = 4
+CAPACITY_PROBE_STEPS = 8  # decode steps of a capacity probe; the rest of the KV growth is projected
+RECIPE = ("smollm2", 0.2)  # the shipped recipe whose rules the kvtool cells apply uniformly
+
+# Cell names (JSON keys).
+FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL = (
+    "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
+)
+
+
+class Budget:
+    """The whole run's time guard: `allows(estimate)` is False once starting would pass the limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = time.perf_counter()
+        self.skipped: list[str] = []
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def allows(self, what: str, estimate: float = 0.0) -> bool:
+        if self.elapsed + estimate <= self.seconds:
+            return True
+        self.skipped.append(f"{what} (at {self.elapsed:.0f} s, estimated {estimate:.0f} s more; --budget-s {self.seconds:g})")
+        log(f"skipped: {self.skipped[-1]}")
+        return False
+
+
+def log(message: str) -> None:
+    print(f"[gpu_bench] {message}", file=sys.stderr, flush=True)
+
+
+# ----- the model and the recipes -----
+
+
+def build_model(shape: str, device: torch.device) -> LlamaForCausalLM:
+    """A random-weight LlamaForCausalLM of `shape`, made on `device` (bf16 on a GPU, float32 on a CPU), sdpa attention."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def recipe_method():
+    """The shipped recipe's rules (the kvtool cells apply them at one ratio in every layer, as
+    benchmarks/cuda_check.py does: a random-weight model has no calibrated per-layer ratios)."""
+    return read_profile(builtin_profile(*RECIPE)).method
+
+
+def without_draft(method):
+    return dataclasses.replace(method, draft=None)
+
+
+# ----- kvtool's timing loop: every call into kvtool.bench.measure is in these three functions -----
+
+
+def run_full(model, ids: torch.Tensor, new_tokens: int) -> RunResult:
+    return run_once(model, ids, new_tokens, lambda: DynamicCache(config=model.config))
+
+
+def run_ceiling(model, ids: torch.Tensor, new_tokens: int, profile) -> RunResult:
+    plans = layer_plans(profile)
+    return run_once(model, ids, new_tokens, lambda: DynamicCache(config=model.config), lambda cache: truncate_like(cache, plans))
+
+
+def run_kvtool(model, ids: torch.Tensor, new_tokens: int, profile) -> RunResult:
+    """`run_bench`'s kvtool run: the bare cache, the profile's draft capped at the answer's length."""
+    with attach(model, profile) as handle:
+        return run_once(model, ids, new_tokens, handle.bare_cache, draft=measure.capped(profile.method.draft, new_tokens))
+
+
+# ----- cells -----
+
+
+@contextlib.contextmanager
+def cudnn_sdp(enabled: bool):
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def release(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+METRICS = {
+    "prefill_s": lambda r: r.prefill_s,
+    "decode_tok_s": lambda r: r.decode_tok_s,
+    "end_to_end_tok_s": lambda r: r.end_to_end_tok_s,
+    "kv_bytes": lambda r: float(r.kv_bytes),
+    "peak_memory_bytes": lambda r: float(r.peak_memory_bytes),
+}
+
+
+def summarise(runs: list[RunResult]) -> dict[str, Any]:
+    return {name: spread([get(r) for r in runs]) for name, get in METRICS.items()}
+
+
+def measure_cells(
+    cells: dict[str, Callable[[torch.Tensor, int], RunResult]],
+    ids: torch.Tensor,
+    new_tokens: int,
+    repeats: int,
+    budget: Budget,
+    label: str,
+    live: dict[str, Any] | None = None,
+    checkpoint: Callable[[], None] = lambda: None,
+) -> dict[str, dict[str, Any]]:
+    """Warm each cell up once on a short prompt, then `repeats` rounds running every cell in turn
+    (interleaved, as `run_bench` does, so drift hits all alike). A cell that runs out of memory is
+    reported as such; one the time budget leaves out keeps the runs it has. After every run the
+    cells so far are written into `live` and `checkpoint()` is called (the JSON survives a kill).
+    The time guard knows a cell's run time only from its previous run: the first full-size run of
+    a slow cell can pass `--budget-s` by that run's length."""
+    device = ids.device
+    runs: dict[str, list[RunResult]] = {name: [] for name in cells}
+    errors: dict[str, str] = {}
+    last: dict[str, float] = {}
+    for name, cell in cells.items():
+        if not budget.allows(f"{label} {name}: warm-up"):
+            errors[name] = "skipped (time budget)"
+            continue
+        started = time.perf_counter()
+        try:
+            cell(ids[:, : min(WARMUP_TOKENS, ids.shape[1])], min(WARMUP_NEW, new_tokens))
+        except Exception as error:  # noqa: BLE001 - reported in the cell, the others still run
+            errors[name] = "out of memory" if is_oom(error) else traceback.format_exc(limit=4)
+            log(f"{label} {name}: warm-up failed: {errors[name].splitlines()[-1]}")
+        release(device)  # outside the handler: the traceback's frames hold the failed run's tensors
+        log(f"{label} {name}: warm-up {time.perf_counter() - started:.1f} s")
+    for round_index in range(repeats):
+        for name, cell in cells.items():
+            if name in errors:
+                continue
+            if not budget.allows(f"{label} {name}: run {round_index + 1}/{repeats}", last.get(name, 0.0)):
+                errors[name] = f"time budget: {len(runs[name])} of {repeats} runs"
+                continue
+            started = time.perf_counter()
+            try:
+                result = cell(ids, new_tokens)
+            except Exception as error:  # noqa: BLE001
+                errors[name] = "out of memory" if is_oom(error) else traceback.format_exc(limit=4)
+                log(f"{label} {name}: failed: {errors[name].splitlines()[-1]}")
+            if name in errors:
+                release(device)
+                continue
+            last[name] = time.perf_counter() - started
+            runs[name].append(result)
+            log(
+                f"{label} {name}: run {round_index + 1}: prompt {result.prefill_s:.3f} s, "
+                f"decode {result.decode_tok_s:.1f} tok/s, peak {result.peak_memory_bytes / GIB:.2f} GiB ({last[name]:.1f} s)"
+            )
+            if live is not None:
+                live.update(_entries(runs, errors))
+                checkpoint()
+    return _entries(runs, errors)
+
+
+def _entries(runs: dict[str, list[RunResult]], errors: dict[str, str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in runs:
+        entry: dict[str, Any] = {"runs": [dataclasses.asdict(r) for r in runs[name]], **summarise(runs[name])}
+        if name in errors:
+            entry["note"] = errors[name]
+        out[name] = entry
+    return out
+
+
+def add_ratios(cells: dict[str, dict[str, Any]], baseline: str) -> None:
+    """Each cell's medians over the baseline's: the prompt phase, KV and peak as cell / baseline
+    (lower is better), decode and end-to-end tok/s as cell / baseline (higher is better)."""
+    base = cells.get(baseline, {})
+    for entry in cells.values():
+        ratios = {}
+        for key in METRICS:
+            mine, theirs = entry.get(key), base.get(key)
+            if mine and theirs and theirs["median"]:
+                ratios[key] = mine["median"] / theirs["median"]
+        entry["ratio_to_baseline"] = ratios
+
+
+def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], checkpoint: Callable[[], None]) -> None:
+    """(a)-(d) at one prompt x batch, into `entry` (updated after every run)."""
+    device = ids.device
+    label = f"{ids.shape[1]}x{ids.shape[0]}"
+    budget: Budget = args.budget_guard
+    recipe = uniform_profile(model, args.kv_budget, method)
+    no_draft = uniform_profile(model, args.kv_budget, without_draft(method))
+    # (a) the full cache under each SDPA backend choice; the fastest prompt phase is the baseline.
+    backends = {FULL_DEFAULT: contextlib.nullcontext}
+    if device.type == "cuda":
+        backends[FULL_NO_CUDNN] = lambda: cudnn_sdp(False)
+
+    def full_under(context):
+        def cell(prompt, new_tokens):
+            with context():
+                return run_full(model, prompt, new_tokens)
+        return cell
+
+    live = entry.setdefault("cells", {})
+    entry.update(prompt_tokens=ids.shape[1], batch=ids.shape[0], baseline=FULL_DEFAULT)
+    full = measure_cells(
+        {name: full_under(ctx) for name, ctx in backends.items()}, ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,
+    )
+    timed = {name: entry["prefill_s"]["median"] for name, entry in full.items() if entry.get("prefill_s")}
+    baseline = min(timed, key=timed.get) if timed else FULL_DEFAULT
+    context = backends[baseline]
+    entry["baseline"] = baseline
+    log(f"{label}: baseline is {baseline}")
+
+    # (b)-(d) under the baseline's backend choice, interleaved.
+    def under(run, profile):
+        def cell(prompt, new_tokens):
+            with context():
+                return run(model, prompt, new_tokens, profile)
+        return cell
+
+    rest = measure_cells(
+        {CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe)},
+        ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,
+    )
+    live.clear()
+    live.update({**full, **rest})
+    add_ratios(live, baseline)
+    checkpoint()
+
+
+# ----- (e) capacity -----
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[tuple[int, bool]]]:
+    """The largest batch in 1..limit for which `fits` holds, assuming it holds below some size and
+    fails above it: doubling from 1 until it fails, then bisecting. 0 when batch 1 does not fit.
+    Also returns every (batch, fits) probed, in order."""
+    tried: list[tuple[int, bool]] = []
+
+    def probe(batch: int) -> bool:
+        ok = fits(batch)
+        tried.append((batch, ok))
+        return ok
+
+    if not probe(1):
+        return 0, tried
+    good, bad = 1, None
+    while bad is None:
+        nxt = min(good * 2, limit)
+        if nxt == good:
+            return good, tried
+        if probe(nxt):
+            good = nxt
+        else:
+            bad = nxt
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried
+
+
+def capacity(
+    model, args, method, device: torch.device, report: dict[str, Any] | None = None, checkpoint: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """(e): for the full cache and kvtool's recipe, the largest batch at `--capacity-prompt` tokens
+    whose prompt phase and `CAPACITY_PROBE_STEPS` decode steps run, with the KV growth of the
+    remaining `--capacity-new-tokens` steps projected onto the measured peak (the full cache grows
+    by a token per step; kvtool's is held at its budget, so projecting its growth is conservative);
+    then the throughput at that batch with all `--capacity-new-tokens`."""
+    budget: Budget = args.budget_guard
+    tokens, new_tokens = args.capacity_prompt, args.capacity_new_tokens
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    recipe = uniform_profile(model, args.kv_budget, method)
+    runners = {
+        "full": lambda ids, n: run_full(model, ids, n),
+        "kvtool": lambda ids, n: run_kvtool(model, ids, n, recipe),
+    }
+    generator = torch.Generator().manual_seed(2)
+    report = {} if report is None else report
+    report.update(prompt_tokens=tokens, new_tokens=new_tokens, device_memory_bytes=total)
+    for name, runner in runners.items():
+        def fits(batch: int) -> bool:
+            if not budget.allows(f"capacity {name}: batch {batch}"):
+                raise TimeoutError("time budget")
+            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
+            release(device)
+            try:
+                result = runner(ids, CAPACITY_PROBE_STEPS)
+            except Exception as error:  # noqa: BLE001
+                if not is_oom(error):
+                    raise
+                result = None
+            if result is None:
+                release(device)
+                log(f"capacity {name}: batch {batch} out of memory")
+                return False
+            growth = result.kv_bytes * (new_tokens - CAPACITY_PROBE_STEPS) / tokens
+            projected = result.peak_memory_bytes + growth
+            ok = total is None or projected <= 0.97 * total
+            log(f"capacity {name}: batch {batch} peak {result.peak_memory_bytes / GIB:.1f} GiB, projected {projected / GIB:.1f} GiB: {'fits' if ok else 'too large'}")
+            return ok
+
+        entry: dict[str, Any] = report.setdefault(name, {})
+        try:
+            batch, tried = largest_fitting(fits, args.capacity_max_batch)
+            entry.update(batch=batch, probes=tried)
+            if batch == args.capacity_max_batch:
+                entry["note"] = f"at the --capacity-max-batch limit ({batch}); more may fit"
+            while batch > 0 and budget.allows(f"capacity {name}: throughput at batch {batch}"):
+                ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
+                try:
+                    result = runner(ids, new_tokens)
+                except Exception as error:  # noqa: BLE001
+                    if not is_oom(error):
+                        raise
+                    result = None
+                if result is None:
+                    del ids
+                    release(device)
+                    log(f"capacity {name}: {new_tokens} new tokens at batch {batch} ran out of memory; one less")
+                    batch -= 1
+                    entry["batch"] = batch
+                    continue
+                entry["run"] = dataclasses.asdict(result)
+                entry.update(decode_tok_s=result.decode_tok_s, end_to_end_tok_s=result.end_to_end_tok_s)
+                break
+        except TimeoutError:
+            entry["note"] = "time budget"
+        except Exception:  # noqa: BLE001
+            entry["error"] = traceback.format_exc(limit=4)
+        release(device)
+        checkpoint()
+    return report
+
+
+# ----- (f) the kernels alone -----
+
+
+def kernel_check(
+    model, shapes: list[tuple[int, int]], device: torch.device, check_tokens: int = 1024, repeats: int = 10,
+    sweep: bool = False,
+) -> dict[str, Any]:
+    """One layer's prompt kernels at the model's head shape: exactness at `check_tokens` tokens (one
+    row, 100 of them padding) against the float64 brute force, then the time of each cell against
+    torch's causal SDPA on the same q/k/v. On a CPU (TRITON_INTERPRET=1) it only tries the code."""
+    from kvtool.runtime.kernels import triton_scores as ts
+
+    config = model.config
+    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // n_heads
+    dtype = next(model.parameters()).dtype
+    report: dict[str, Any] = {"available": ts.available(torch.zeros(1, device=device, dtype=dtype))}
+    if not report["available"]:
+        return report
+    import triton
+
+    report["triton"] = triton.__version__
+    g = torch.Generator(device=device).manual_seed(3)
+
+    def qkv(bsz, n):
+        make = lambda h: torch.randn(bsz, h, n, head_dim, generator=g, device=device, dtype=dtype)  # noqa: E731
+        return make(n_heads), make(n_kv), make(n_kv)
+
+    q, k, v = qkv(1, check_tokens)
+    starts = torch.tensor([min(100, check_tokens // 4)], device=device)
+    out, scores = ts.attention_with_scores_triton(q, k, v, starts, head_dim**-0.5, heads=True, window=32)
+    ref_out, ref = ts.reference_scores(q, k, v, starts, head_dim**-0.5, heads=True, window=32)
+    report["exactness"] = {
+        "tokens": check_tokens,
+        "output_max_abs": (out.double() - ref_out).abs().max().item(),
+        **{f"{name}_max_rel": ((getattr(scores, name).double() - getattr(ref, name)).abs().max() / getattr(ref, name).abs().max()).item()
+           for name in ("importance", "heads", "window")},
+    }
+    del q, k, v, out, scores, ref_out, ref
+    timings = {}
+    for tokens, batch in shapes:
+        try:
+            q, k, v = qkv(batch, tokens)
+            # What transformers' sdpa_attention_forward runs: K/V repeated per query head (outside the timing).
+            k_rep, v_rep = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))
+            runs = {
+                "sdpa causal (K/V repeated)": lambda: torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True),
+                "triton fwd + column sums (heads, window 32)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32),
+                "triton fwd + column sums (importance only)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5),
+            }
+            cell = {name: device_time(fn, device, repeats) for name, fn in runs.items()}
+            base = cell["sdpa causal (K/V repeated)"]
+            cell["ratio_to_sdpa"] = {name: s / base for name, s in cell.items() if isinstance(s, float) and name != "sdpa causal (K/V repeated)"}
+            fwd_flops, sum_flops = ts.prefill_flops(batch, n_heads, tokens, head_dim)
+            cell["sdpa_tflops"] = fwd_flops / base / 1e12
+            timings[f"{tokens}x{batch}"] = cell
+            del q, k, v, k_rep, v_rep
+        except Exception as error:  # noqa: BLE001
+            timings[f"{tokens}x{batch}"] = {"error": "out of memory" if is_oom(error) else traceback.format_exc(limit=4)}
+        release(device)
+    report["one_layer_s"] = timings
+    if sweep:
+        report["sweep"] = block_sweep(qkv, shapes[0], head_dim, device)
+    return report
+
+
+# Tile choices `--kernel-sweep` times (fwd_m, fwd_n, warps) and (sum_m, sum_n, warps), 3 stages.
+FWD_CHOICES = ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4))
+SUM_CHOICES = ((64, 64, 8), (64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 64, 4))
+
+
+def block_sweep(qkv, shape: tuple[int, int], head_dim: int, device: torch.device) -> dict[str, Any]:
+    """Both kernels' time (heads and a 32-row window requested) for each forward tile with the
+    default column-sum tile, then each column-sum tile with the fastest forward tile: the numbers to
+    set `triton_scores.GPU_BLOCKS` from."""
+    from kvtool.runtime.kernels import triton_scores as ts
+
+    tokens, batch = shape
+    q, k, v = qkv(batch, tokens)
+    default = ts.GPU_BLOCKS
+
+    def timed(base: "ts.Blocks", **tiles: int) -> float | str:
+        try:
+            blocks = dataclasses.replace(base, **tiles)
+            return device_time(lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, blocks=blocks), device, 5)
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory for a tile
+            return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+
+    fwd = {f"{m}x{n}/{w}": timed(default, fwd_m=m, fwd_n=n, fwd_warps=w) for m, n, w in FWD_CHOICES}
+    ok = {key: t for key, t in fwd.items() if isinstance(t, float)}
+    best = FWD_CHOICES[list(fwd).index(min(ok, key=ok.get))] if ok else FWD_CHOICES[0]
+    base = dataclasses.replace(default, fwd_m=best[0], fwd_n=best[1], fwd_warps=best[2])
+    sums = {f"{m}x{n}/{w}": timed(base, sum_m=m, sum_n=n, sum_warps=w) for m, n, w in SUM_CHOICES}
+    log(f"kernel sweep at {tokens}x{batch}: forward {fwd}; column sums {sums}")
+    return {"shape": f"{tokens}x{batch}", "forward_tiles_s": fwd, "column_sum_tiles_s": sums, "default": dataclasses.asdict(default)}
+
+
+def device_time(fn: Callable[[], Any], device: torch.device, repeats: int = 10) -> float:
+    """Median seconds of `fn` (CUDA events on a GPU, the wall clock elsewhere), after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# ----- benchmarks/cuda_check.py's exactness checks -----
+
+
+def cuda_exactness(device: torch.device) -> dict[str, Any]:
+    """`exactness` of benchmarks/cuda_check.py (beside this file), imported from its path."""
+    path = Path(__file__).with_name("cuda_check.py")
+    if not path.is_file():
+        return {"note": "benchmarks/cuda_check.py not found"}
+    started = time.perf_counter()
+    try:
+        spec = importlib.util.spec_from_file_location("kvtool_cuda_check", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        results = module.exactness(device, read_profile(builtin_profile(*RECIPE)))
+        return {"checks": results, "passed": all(results.values()), "seconds": time.perf_counter() - started}
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc(limit=6), "passed": False, "seconds": time.perf_counter() - started}
+
+
+# ----- report -----
+
+
+def fmt(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 2) -> str:
+    if not stat:
+        return "-"
+    med, lo, hi = (stat[k] / scale for k in ("median", "min", "max"))
+    if lo == hi:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def ratio(entry: dict[str, Any], key: str) -> str:
+    value = entry.get("ratio_to_baseline", {}).get(key)
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['device']}, {report['shape']} (random weights, {report['dtype']}), torch {report['torch']}, "
+        f"transformers {report['transformers']}, triton {report.get('triton') or '-'}; kvtool cells: the shipped "
+        f"{RECIPE[0]} b{RECIPE[1]:g} recipe's rules at budget {report['kv_budget']:g} in every layer; "
+        f"{report['new_tokens']} new tokens; median (min-max) of {report['repeats']} runs; x: against the baseline.",
+        "",
+        "| prompt x batch | cache | prompt phase, s | x | decode, tok/s | x | end-to-end, tok/s | x | KV, GiB | x | peak, GiB | x |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cell in report["cells"]:
+        label = f"{cell['prompt_tokens']} x {cell['batch']}"
+        for name, entry in cell["cells"].items():
+            shown = f"{name} (baseline)" if name == cell["baseline"] else name
+            if entry.get("note"):
+                shown += f" [{entry['note'].splitlines()[-1][:60]}]"
+            lines.append(
+                f"| {label} | {shown} | {fmt(entry.get('prefill_s'), digits=3)} | {ratio(entry, 'prefill_s')} "
+                f"| {fmt(entry.get('decode_tok_s'), digits=1)} | {ratio(entry, 'decode_tok_s')} "
+                f"| {fmt(entry.get('end_to_end_tok_s'), digits=1)} | {ratio(entry, 'end_to_end_tok_s')} "
+                f"| {fmt(entry.get('kv_bytes'), GIB)} | {ratio(entry, 'kv_bytes')} "
+                f"| {fmt(entry.get('peak_memory_bytes'), GIB)} | {ratio(entry, 'peak_memory_bytes')} |"
+            )
+    cap = report.get("capacity")
+    if cap:
+        lines += ["", f"Capacity at {cap['prompt_tokens']} prompt tokens, {cap['new_tokens']} new tokens:", "",
+                  "| cache | largest batch | decode, tok/s | end-to-end, tok/s | peak, GiB |", "| --- | --- | --- | --- | --- |"]
+        for name in ("full", "kvtool"):
+            entry = cap.get(name, {})
+            run = entry.get("run") or {}
+            note = entry.get("note") or (entry.get("error") or "").strip().splitlines()[-1:] or [""]
+            note = note if isinstance(note, str) else note[0]
+            lines.append(
+                f"| {name} | {entry.get('batch', '-')} | {entry.get('decode_tok_s', float('nan')):.1f} "
+                f"| {entry.get('end_to_end_tok_s', float('nan')):.1f} | {run.get('peak_memory_bytes', float('nan')) / GIB:.1f} |"
+                + (f" {note}" if note else "")
+            )
+    kern = report.get("kernels")
+    if kern and kern.get("one_layer_s"):
+        ex = kern.get("exactness", {})
+        lines += ["", "Prompt kernels alone, one layer (median of 10, CUDA events); against float64 at "
+                  f"{ex.get('tokens')} tokens: output max abs {ex.get('output_max_abs', float('nan')):.2e}, "
+                  f"importance max rel {ex.get('importance_max_rel', float('nan')):.2e}, "
+                  f"window max rel {ex.get('window_max_rel', float('nan')):.2e}:", "",
+                  "| prompt x batch | sdpa causal, ms | triton fwd + sums (heads, window), ms | x | importance only, ms | x |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for key, cell in kern["one_layer_s"].items():
+            if "error" in cell:
+                lines.append(f"| {key} | {cell['error'].splitlines()[-1]} | | | | |")
+                continue
+            a, b, c = (cell[k] for k in ("sdpa causal (K/V repeated)", "triton fwd + column sums (heads, window 32)", "triton fwd + column sums (importance only)"))
+            lines.append(f"| {key} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f}x | {c * 1e3:.2f} | {c / a:.2f}x |")
+    if kern and kern.get("sweep"):
+        sw = kern["sweep"]
+        show = lambda d: ", ".join(f"{k} {v * 1e3:.2f} ms" if isinstance(v, float) else f"{k} failed" for k, v in d.items())  # noqa: E731
+        lines += ["", f"Tile sweep at {sw['shape']} (both kernels, fwd_m x fwd_n / warps): {show(sw['forward_tiles_s'])}; "
+                  f"column sums (sum_m x sum_n / warps) with the fastest forward: {show(sw['column_sum_tiles_s'])}"]
+    if report.get("exactness"):
+        ex = report["exactness"]
+        state = "passed" if ex.get("passed") else "FAILED"
+        lines += ["", f"cuda_check exactness: {state}" + (f" ({sum(ex['checks'].values())}/{len(ex['checks'])})" if ex.get("checks") else "")]
+    if report["skipped"]:
+        lines += ["", "Skipped for the time budget: " + "; ".join(report["skipped"])]
+    return "\n".join(lines)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for part in text.split(","):
+        tokens, batch = (int(x) for x in part.strip().lower().split("x"))
+        shapes.append((tokens, batch))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--shapes", default="8192x4,32768x2", help="PROMPTxBATCH[,...]")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (tiny: 8, which also caps the draft)")
+    parser.add_argument("--kv-budget", type=float, default=0.2, help="kept fraction of the kvtool cells")
+    parser.add_argument("--capacity", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--capacity-prompt", type=int, default=32768)
+    parser.add_argument("--capacity-new-tokens", type=int, default=1024)
+    parser.add_argument("--capacity-max-batch", type=int, default=256)
+    parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None, help="(f); default: on a GPU")
+    parser.add_argument("--kernel-sweep", action="store_true", help="(f) also times tile choices at the first --shapes cell")
+    parser.add_argument("--exactness", action=argparse.BooleanOptionalAction, default=None, help="cuda_check's checks; default: on a GPU")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip whatever would start after this many seconds")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.new_tokens is None:
+        args.new_tokens = 8 if args.shape == "tiny" else 64
+    device = torch.device(args.device)
+    args.budget_guard = budget = Budget(args.budget_s)
+    on_gpu = device.type == "cuda"
+
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        "shape": args.shape, "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version,
+        "kv_budget": args.kv_budget, "new_tokens": args.new_tokens, "repeats": args.repeats, "budget_s": args.budget_s,
+        "cells": [], "skipped": budget.skipped,
+    }
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1, default=str))
+
+    if args.exactness if args.exactness is not None else on_gpu:
+        log("cuda_check exactness ...")
+        report["exactness"] = cuda_exactness(device)
+        log(f"exactness: {'passed' if report['exactness'].get('passed') else 'FAILED'}")
+        save()
+
+    started = time.perf_counter()
+    model = build_model(args.shape, device)
+    report["model_build_s"] = time.perf_counter() - started
+    report["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    log(f"model {args.shape} on {device} in {report['model_build_s']:.1f} s")
+    method = recipe_method()
+    shapes = parse_shapes(args.shapes)
+    if args.kernels if args.kernels is not None else on_gpu:
+        try:
+            report["kernels"] = kernel_check(model, shapes, device, sweep=args.kernel_sweep)
+        except Exception:  # noqa: BLE001
+            report["kernels"] = {"error": traceback.format_exc(limit=4)}
+        save()
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for tokens, batch in shapes:
+            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
+            entry: dict[str, Any] = {}
+            report["cells"].append(entry)
+            shape_cells(model, ids, args, method, entry, save)
+            del ids
+            release(device)
+            save()
+        if args.capacity:
+            report["capacity"] = {}
+            capacity(model, args, method, device, report["capacity"], save)
+    report["total_s"] = budget.elapsed
+    save()
+    print(markdown(report), flush=True)
+    failed = report.get("exactness", {}).get("passed") is False
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Causal attention of one unpadded sequence in blocks of query rows, with the column sums.
+
+Per block of query rows: one GEMM for the scores (query heads grouped under their KV head, so keys
+are never repeated), softmax, one GEMM for the output, and the block's probabilities summed into the
+column totals while they are still in cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtool.runtime.importance.scores import NO_EXTRAS, accumulation_dtype
+
+
+def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int, first_row: int = 0):
+    """Causal attention of one unpadded sequence: [Hq, m, Dv] output, [m] importance, and the
+    [Hkv, m] per-head column sums and window sums when `request` asks for them (else None).
+
+    `rows` per block (`block_size.block_rows` gives the tuned size); `first_row` skips the blocks
+    before it, which only block-size tuning does (its timing of the widest rows; the results are
+    then partial)."""
+    n_heads, m, head_dim = query.shape
+    n_kv_heads = keys.shape[0]
+    groups = n_heads // n_kv_heads
+    q = (query * scaling).view(n_kv_heads, groups, m, head_dim)
+    k_t = keys.transpose(1, 2)  # [Hkv, D, m]
+    out = query.new_empty(n_kv_heads, groups, m, values.shape[-1])
+    total = torch.zeros(m, dtype=query.dtype, device=query.device)
+    heads = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.heads else None
+    window = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.window else None
+    first_window_row = m - min(request.window, m)
+    future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
+    for r0 in range(first_row, m, rows):
+        r1 = min(m, r0 + rows)
+        c = r1 - r0
+        q_block = q[:, :, r0:r1].reshape(n_kv_heads, groups * c, head_dim)
+        scores = torch.bmm(q_block, k_t[:, :, :r1]).view(n_kv_heads, groups, c, r1)
+        # Only the block's own diagonal square holds future positions.
+        scores[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(n_kv_heads, groups * c, r1)
+        out[:, :, r0:r1] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
+        if heads is None:
+            total[:r1] += probs.sum(dim=(0, 1))
+        else:
+            per_head = probs.sum(dim=1)  # [Hkv, r1]
+            heads[:, :r1] += per_head
+            total[:r1] += per_head.sum(dim=0)
+        if window is not None and r1 > first_window_row:
+            # The window is the sequence's last rows: only the last block(s) reach this.
+            lo = max(first_window_row, r0) - r0
+            window[:, :r1] += probs.view(n_kv_heads, groups, c, r1)[:, :, lo:].sum(dim=(1, 2))
+    acc = accumulation_dtype(query.dtype)
+    heads = None if heads is None else heads.to(acc) / groups
+    window = None if window is None else window.to(acc) / groups
+    return out.view(n_heads, m, -1), total.to(acc) / n_heads, heads, window

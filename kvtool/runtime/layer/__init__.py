@@ -1,0 +1,20 @@
+"""The compressing cache layer, in parts of one purpose each.
+
+    plan         LayerPlan: what one compressing layer does, built from a profile
+    compressing  CompressingLayer: its state and transformers' cache-layer interface
+    prompt       prompt compression: rank, select (shared or per KV head), merge, freeze
+    slots        slot storage: placing a new token, growing the buffer, what attention reads
+    evict        decode-time eviction: the new token's attention and the rule's victim
+    images       image tokens of vision-language prompts
+    stacking     several layers' rows as one (calibration's side-by-side recipes)
+
+As in transformers' cache_utils, a cache (cache.py) is a list of such layers, one per full-attention
+decoder layer. Eviction rules receive a read-only view of the entries (`eviction.EntryView`), never
+the layer, so the rules import nothing from here.
+"""
+
+from kvtool.runtime.layer.compressing import CompressingLayer
+from kvtool.runtime.layer.plan import HEAD_MODES, LayerPlan
+from kvtool.runtime.layer.slots import ENTRY_STATE, GROWTH_SLOTS
+
+__all__ = ["ENTRY_STATE", "GROWTH_SLOTS", "HEAD_MODES", "CompressingLayer", "LayerPlan"]

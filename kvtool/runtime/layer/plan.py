@@ -1,0 +1,62 @@
+"""What one compressing layer does (`LayerPlan`), built from a profile by `attach.layer_plans`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.eviction import EvictRule, FixedPoint
+from kvtool.runtime.importance import Scorer, make_scorer
+from kvtool.runtime.merge import MergeRule
+from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
+
+# "shared": one set of entries for all KV heads of a layer; "per-head": each KV head its own.
+HEAD_MODES = ("shared", "per-head")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one compressing layer does; built from a profile."""
+
+    ratio: float
+    merge: MergeRule
+    sink_tokens: int
+    recent_window: int
+    truncation_distance: int
+    select: SelectRule = field(default_factory=TopImportance)
+    evict: EvictRule = field(default_factory=FixedPoint)
+    # Keep the prompt importance after compressing (calibration reads it; costs one score pass).
+    record_importance: bool = False
+    # What a prompt token is worth (a name in kvtool.runtime.importance.SCORERS): "attention-sum", the
+    # attention all prompt rows give it (Elastic Cache, PrefixKV); "window", the attention of the
+    # last `window` rows (SnapKV; 1 = TOVA's prefill score), max-pooled over `pool` positions.
+    scorer: str = "attention-sum"
+    window: int = 32
+    pool: int = 7
+    # "union": the share of its kept tokens that come from the window's top list.
+    window_share: float = 0.5
+    heads: str = "shared"  # one of HEAD_MODES
+    # Share of each sequence's kept prompt entries reserved for the most recent tokens (on top of
+    # `recent_window`): on a small budget the question and the last turn are what the answer reads.
+    recent_share: float = 0.0
+    # Entries a layer keeps however short the sequence (`attach(..., min_kept=N)`): at 0.2 a 30-token
+    # chat prompt leaves SmolLM2's tightest layer (ratio 0.058) 2 entries and the model degenerates,
+    # while a floor costs nothing once ratio * T passes it. 0: the ratio alone.
+    min_kept: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:
+            raise KvtoolError(f"min-kept must be an integer >= 0, got {self.min_kept!r}")
+        if self.heads not in HEAD_MODES:
+            raise KvtoolError(f"unknown head mode {self.heads!r} (known: {', '.join(HEAD_MODES)})")
+        self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
+
+    def keep(self, tokens: np.ndarray) -> np.ndarray:
+        """Entries each sequence keeps after `tokens` real tokens: ceil(ratio * T), at least `min_kept`."""
+        return kept_count(self.ratio, tokens, self.min_kept)
+
+    @property
+    def scoring(self) -> Scorer:
+        return make_scorer(self.scorer, window=self.window, pool=self.pool, window_share=self.window_share)

@@ -1,0 +1,133 @@
+"""benchmarks/gpu_bench.py runs end to end on the CPU (its smoke configuration, in-process), and its capacity
+search and time guard do what they say (a GPU session has no time to find out)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "gpu_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("kvtool_gpu_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_on_cpu(bench, tmp_path, capsys):
+    """The smoke configuration, in-process (a subprocess would pay the imports again)."""
+    report_path = tmp_path / "report.json"
+    code = bench.main(["--shape", "tiny", "--shapes", "64x2", "--repeats", "1", "--no-capacity", "--json", str(report_path)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    (shape,) = report["cells"]
+    assert (shape["prompt_tokens"], shape["batch"]) == (64, 2)
+    cells = shape["cells"]
+    # No GPU: one SDPA backend choice, which is the baseline.
+    assert list(cells) == ["full (sdpa default)", "ceiling", "kvtool, no draft", "kvtool recipe"]
+    assert shape["baseline"] == "full (sdpa default)"
+    for name, cell in cells.items():
+        assert "note" not in cell, (name, cell.get("note"))
+        assert len(cell["runs"]) == 1
+        assert cell["prefill_s"]["median"] > 0 and cell["decode_tok_s"]["median"] > 0
+        assert set(cell["ratio_to_baseline"]) == {"prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes"}
+    full_kv = cells["full (sdpa default)"]["kv_bytes"]["median"]
+    assert cells["kvtool, no draft"]["kv_bytes"]["median"] < full_kv
+    assert cells["ceiling"]["kv_bytes"]["median"] < full_kv
+    assert report["skipped"] == [] and "capacity" not in report
+    assert "| 64 x 2 | full (sdpa default) (baseline) |" in stdout
+    assert "| 64 x 2 | kvtool recipe |" in stdout
+
+
+@pytest.mark.parametrize("limit", [1, 7, 16, 256])
+def test_largest_fitting_doubles_then_bisects(bench, limit):
+    for threshold in range(0, 40):
+        calls = []
+
+        def fits(batch):
+            calls.append(batch)
+            return batch <= threshold
+
+        found, tried = bench.largest_fitting(fits, limit)
+        assert found == min(threshold, limit)
+        assert [b for b, _ in tried] == calls and len(set(calls)) == len(calls)
+        assert len(calls) <= 2 * max(1, limit).bit_length() + 1
+
+
+def test_capacity_backs_off_on_out_of_memory(bench, monkeypatch):
+    """Fake runs that run out of memory above a batch size: the search lands on it for each cache,
+    and the throughput run at that size is reported."""
+    model = bench.build_model("tiny", torch.device("cpu"))
+    limits = {"full": 5, "kvtool": 11}
+
+    def fake(name):
+        def run(model, ids, new_tokens, *profile):
+            batch = ids.shape[0]
+            if batch > limits[name]:
+                raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+            return bench.RunResult(
+                prefill_s=0.5, decode_s=1.0, batch=batch, new_tokens=new_tokens, kv_bytes=1000 * batch,
+                kv_slots=(1,), peak_memory_bytes=2000 * batch,
+            )
+        return run
+
+    monkeypatch.setattr(bench, "release", lambda device: None)  # a gc.collect per probe costs seconds here
+    monkeypatch.setattr(bench, "run_full", fake("full"))
+    monkeypatch.setattr(bench, "run_kvtool", fake("kvtool"))
+    args = argparse.Namespace(
+        budget_guard=bench.Budget(60), capacity_prompt=32, capacity_new_tokens=16, capacity_max_batch=64, kv_budget=0.2,
+    )
+    report = bench.capacity(model, args, bench.recipe_method(), torch.device("cpu"))
+    assert report["full"]["batch"] == 5 and report["kvtool"]["batch"] == 11
+    assert report["full"]["decode_tok_s"] == 5 * 16 / 1.0
+    assert report["kvtool"]["run"]["batch"] == 11
+    table = bench.markdown({
+        "device": "cpu", "shape": "tiny", "dtype": "float32", "torch": "x", "transformers": "x", "kv_budget": 0.2,
+        "new_tokens": 8, "repeats": 1, "cells": [], "capacity": report, "skipped": [],
+    })
+    assert "| full | 5 | 80.0 |" in table and "| kvtool | 11 |" in table
+
+
+def test_time_budget_skips_and_says_so(bench, tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    code = bench.main(["--shape", "tiny", "--shapes", "32x1", "--repeats", "1", "--no-capacity", "--budget-s", "0",
+                       "--json", str(report_path)])
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["skipped"] and all("budget-s 0" in line for line in report["skipped"])
+    assert all(cell["note"] == "skipped (time budget)" for cell in report["cells"][0]["cells"].values())
+    assert "Skipped for the time budget" in capsys.readouterr().out
+
+
+def test_kernel_section_in_the_interpreter(bench, monkeypatch):
+    """(f) on the CPU through Triton's interpreter: exactness against float64 and the timing table."""
+    pytest.importorskip("triton")  # a dev dependency on Linux (tests/test_triton_scores.py needs it there)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = bench.build_model("tiny", torch.device("cpu"))
+    monkeypatch.setattr(bench, "FWD_CHOICES", ((32, 16, 4), (64, 512, 4)))  # the second is invalid: reported, not raised
+    monkeypatch.setattr(bench, "SUM_CHOICES", ((16, 32, 4),))
+    report = bench.kernel_check(model, [(40, 1)], torch.device("cpu"), check_tokens=48, repeats=1, sweep=True)
+    assert report["available"]
+    ex = report["exactness"]
+    assert ex["output_max_abs"] < 1e-4 and ex["importance_max_rel"] < 1e-4 and ex["window_max_rel"] < 1e-4
+    cell = report["one_layer_s"]["40x1"]
+    assert "error" not in cell and set(cell["ratio_to_sdpa"]) == {
+        "triton fwd + column sums (heads, window 32)", "triton fwd + column sums (importance only)"}
+    table = bench.markdown({
+        "device": "cpu", "shape": "tiny", "dtype": "float32", "torch": "x", "transformers": "x", "kv_budget": 0.2,
+        "new_tokens": 8, "repeats": 1, "cells": [], "kernels": report, "skipped": [],
+    })
+    assert "| 40x1 |" in table
+    sweep = report["sweep"]
+    assert isinstance(sweep["forward_tiles_s"]["32x16/4"], float) and "failed" in table
+    assert isinstance(sweep["column_sum_tiles_s"]["16x32/4"], float)
