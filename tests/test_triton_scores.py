@@ -224,3 +224,33 @@ def test_bad_shapes():
     query, keys, values = inputs(n_heads=3, n_kv=2, n=8)
     with pytest.raises(ValueError, match="multiple"):
         ts.attention_with_scores_triton(query, keys, values, None, SCALE)
+
+
+def test_a_compressed_generation_through_the_kernels_equals_the_cpu_path(monkeypatch):
+    """The kvtool attention picks the kernels where they run (here: the interpreter) and the prompt
+    pass then keeps the same entries and gives the same logits as the CPU path, for a padded batch
+    with per-head window scores and H2O's seed."""
+    from kvtool.models.forward import with_cache
+    from kvtool.runtime import KvtoolCache, attach
+    from kvtool.runtime.attach import layer_plans
+    from tiny_models import left_pad, profile_with, prompts, tiny_llama
+
+    model = tiny_llama(torch.float32, layers=2)
+    profile = profile_with(model, 0.3, heads="per-head", scorer="union", window=4, pool=3, eviction="heavy-hitter",
+                           sink_tokens=1, recent_window=2)
+    inputs = left_pad(prompts([37, 22], seed=3))
+    calls = []
+    kernel = ts.attention_with_scores_triton
+    monkeypatch.setattr(ts, "attention_with_scores_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    results = []
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        with torch.no_grad(), attach(model, profile):
+            cache = KvtoolCache(model.config, layer_plans(profile))
+            logits = model(**inputs, **with_cache(model, cache), use_cache=True).logits[:, -1]
+        kept = [layer.order[layer.valid[:, None, :].expand_as(layer.order)].tolist() for layer in cache.layers]
+        results.append((logits, kept))
+    (cpu_logits, cpu_kept), (kernel_logits, kernel_kept) = results
+    assert len(calls) == 2  # one prompt pass per layer, with the interpreter only
+    assert kernel_kept == cpu_kept
+    assert (kernel_logits - cpu_logits).abs().max().item() < 1e-4

@@ -1,9 +1,12 @@
 """The prompt pass: attention received per prompt token (Elastic Cache / PrefixKV importance),
 computed next to the attention output the layer needs anyway.
 
-Never materialises the whole n x n map of every layer: the CPU path runs one sequence at a time in
-blocks of query rows (cpu_path), everything else the portable path in row chunks (chunked). Both
-modules' sizes are read when a call starts, so a test can shrink them to force many blocks.
+Never materialises the whole n x n map of every layer: on a GPU two Triton kernels give the output
+and the column sums (kernels/triton_scores.py: a flash-attention forward that keeps each row's
+log-sum-exp, then one more q.k pass per column block); the CPU path runs one sequence at a time in
+blocks of query rows (cpu_path); anything else (other masks, no Triton) the portable path in row
+chunks (chunked). The CPU and portable paths' sizes are read when a call starts, so a test can shrink
+them to force many blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +15,21 @@ import torch
 
 from kvtool.runtime.importance import chunked, cpu_path
 from kvtool.runtime.importance.scores import NO_EXTRAS, PromptScores, ScoreRequest
+from kvtool.runtime.kernels import triton_scores
+
+
+def _kernel(query, keys, values, mask, scaling, request) -> tuple[torch.Tensor, PromptScores] | None:
+    """The Triton kernels' output and scores, where they apply: CUDA tensors (or Triton's CPU
+    interpreter, TRITON_INTERPRET=1, which the tests use) and a causal, left-padded mask."""
+    if not triton_scores.available(query) or query.shape[2] != keys.shape[2]:
+        return None
+    starts = cpu_path.left_padded_causal(mask, query.shape[0], query.shape[2], query.device)
+    if starts is None:
+        return None
+    out, scores = triton_scores.attention_with_scores_triton(
+        query, keys, values, starts, scaling, heads=request.heads, window=request.window
+    )
+    return out, PromptScores(scores.importance, scores.heads, scores.window)
 
 
 def attention_importance(
@@ -38,6 +56,9 @@ def prompt_scores(
     request: ScoreRequest = NO_EXTRAS,
 ) -> PromptScores:
     """`attention_importance` plus what `request` asks for, without the attention output."""
+    fused = _kernel(query, keys, keys, mask, scaling, request)  # the output is a by-product there
+    if fused is not None:
+        return fused[1]
     if cpu_path.applies(query):
         # No values: the output GEMM has zero width.
         fused = cpu_path.blocked_attention(query, keys, keys[..., :0], mask, scaling, request)
@@ -75,6 +96,9 @@ def attention_with_scores(
     The window rows are the last rows of the pass, so the window score adds one reduction over the
     last block(s) only; per-head column sums replace the block's full reduction by a per-head one.
     """
+    fused = _kernel(query, keys, values, mask, scaling, request)
+    if fused is not None:
+        return fused
     if cpu_path.applies(query):
         fused = cpu_path.blocked_attention(query, keys, values, mask, scaling, request)
         if fused is not None:
