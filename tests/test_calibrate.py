@@ -616,25 +616,3 @@ def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel
     assert loaded.method == chosen
     plans = [p for p in layer_plans(loaded) if p is not None]
     assert plans and all(p.window_share == chosen.window_share and p.scoring.window_share == chosen.window_share for p in plans)
-
-
-def test_answer_rows_are_scored_where_the_full_cache_writes_the_answer(tiny: LoadedModel) -> None:
-    """The full pass scores a row with exact answers only on the tokens of its greedy continuation
-    that write them; a row whose continuation does not write them, and a row without any, whole."""
-    from kvtool.calibrate.passes import full_pass
-    from kvtool.scoring import encode_batches
-
-    records = word_prompts(3, seed=4)
-    method = MethodSettings()
-    batches, answers = encode_batches(tiny, records, max_tokens=512, method=method, batch_size=3)
-    run = lambda expected: full_pass(  # noqa: E731
-        tiny.model, tiny.tokenizer, batches, answers, method, reference_tokens=8, with_references=True, expected=expected
-    ).states[0].references
-    plain = run(())
-    words = [tiny.tokenizer.decode([t]) for t in plain.tokens[0].tolist()]
-    answer = words[5]
-    first = words.index(answer)
-    refs = run([[(answer,), ("unwritten",), ()]])
-    assert refs.scored[0].tolist() == [t == first for t in range(8)]
-    assert refs.nll_full[0, first] == plain.nll_full[0, first]
-    assert torch.equal(refs.scored[1:], plain.scored[1:]) and torch.equal(refs.nll_full[1:], plain.nll_full[1:])

@@ -87,32 +87,6 @@ def test_space_option_changes_what_the_search_tries(
     assert not any(t.stage.startswith("recent") for t in tried)  # one recent share: nothing to try
 
 
-def test_in_context_answer_references_are_recorded_and_shown(
-    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
-) -> None:
-    rng = random.Random(2)
-    data = tmp_path / "needles.jsonl"
-    data.write_text("".join(
-        json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(40)), "answers": ["cat"], "kind": "retrieval"}) + "\n"
-        for _ in range(4)
-    ))
-    out = tmp_path / "tmp.yaml"
-    code, stdout, stderr = run(
-        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
-        "--data", str(data), "--out", str(out), "--answer-references", "in-context",
-    )
-    assert code == 0, stderr
-    assert read_profile(out).calibration.answer_references == "in-context" and "Answer rows" in stdout
-    code, shown, stderr = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "in-context" in shown, stderr
-    # The default leaves the field out of the file.
-    code, _, stderr = run(
-        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
-        "--data", str(data), "--out", str(out),
-    )
-    assert code == 0 and read_profile(out).calibration.answer_references is None and "answer_references" not in out.read_text()
-
-
 def test_draft_stage_is_shown_and_recorded(
     tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
@@ -181,8 +155,6 @@ def test_default_out_is_profiles_model_budget(
         (["--budget", "0.3", "--space", "pools=8"], "error: pool widths must be odd integers >= 1, got [8]"),
         (["--budget", "0.3", "--space", "scorers=nosuch"], "error: unknown scorer 'nosuch'"),
         (["--budget", "0.3", "--papers", "--space", "pools=7"], "error: --space changes the recipe search"),
-        (["--budget", "0.3", "--answer-references", "inline"], "error: answer references must be one of forced, in-context, got 'inline'"),
-        (["--budget", "0.3", "--papers", "--answer-references", "in-context"], "error: --answer-references changes the recipe search"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_file(
@@ -216,7 +188,8 @@ def test_reference_tokens_default_is_the_library_default() -> None:
 
 def test_calibrate_help_lists_at_most_twelve_options() -> None:
     """The options a user reads in `kvtool calibrate --help` (help itself aside): the draft is one
-    option, and what was measured as no better (lookahead, reused drafts) is gone."""
+    option, and what was measured as no better (lookahead, reused drafts, in-context answer
+    references) is gone."""
     import typer
 
     from kvtool.cli.app import _register, app
@@ -225,7 +198,7 @@ def test_calibrate_help_lists_at_most_twelve_options() -> None:
     command = typer.main.get_command(app).commands["calibrate"]
     options = [p.opts[0] for p in command.params if p.param_type_name == "option" and p.name != "help"]
     assert len(options) <= 12, options
-    assert not any(name.startswith(("--lookahead", "--draft-")) for name in options)
+    assert not any(name.startswith(("--lookahead", "--draft-", "--answer-references")) for name in options)
 
 
 def test_malformed_data_line_is_named(tiny_llama_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:

@@ -571,6 +571,23 @@ def test_legacy_curve_importance_other_values_are_refused(
     assert str(info.value) == f"{path}: calibration.curve_importance must be one of mean, sum, got {shown}"
 
 
+@pytest.mark.parametrize("value", ["in-context", "forced", None])
+def test_retired_answer_references_key_still_loads(
+    tmp_path: Path, good_document: dict, profile: Profile, value: str | None
+) -> None:
+    """Profiles calibrated with `--answer-references` (retired) load as the same profile, and
+    saving drops the key; a value it never had is refused in one line."""
+    good_document["calibration"]["answer_references"] = value
+    loaded = read_profile(write_document(tmp_path / "old.yaml", good_document))
+    assert loaded == profile
+    assert "answer_references" not in save_profile(loaded, tmp_path / "new.yaml").read_text(encoding="utf-8")
+    good_document["calibration"]["answer_references"] = "inline"
+    path = write_document(tmp_path / "bad.yaml", good_document)
+    with pytest.raises(KvtoolError) as info:
+        read_profile(path)
+    assert str(info.value) == f"{path}: calibration.answer_references must be one of forced, in-context, got 'inline'"
+
+
 def test_legacy_key_is_known_to_typo_suggestions(tmp_path: Path, good_document: dict) -> None:
     good_document["calibration"]["curve_importanc"] = "mean"
     with pytest.raises(KvtoolError) as info:

@@ -274,18 +274,6 @@ def test_exact_answers_become_the_forced_calibration_reference():
     assert [r.prompt for r in out] == [r.prompt for r in records]
 
 
-def test_exact_answers_decide_the_in_context_calibration_reference():
-    from kvtool.calibrate.runner import expected_answers
-
-    records = (
-        Record(prompt="find them", answers=("123", "456"), kind="retrieval"),
-        Record(prompt="say it", answer="given", answers=("x",)),
-        Record(prompt="chat"),
-    )
-    # Scored where the full cache writes them; a given `answer` stays the reference.
-    assert expected_answers(records) == [("123", "456"), (), ()]
-
-
 def test_uniform_ratio_source_rebudgets_to_the_same_ratio_everywhere(tmp_path):
     from kvtool.profiles.budget import rebudget
     from kvtool.runtime import method_profile

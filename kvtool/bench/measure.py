@@ -6,6 +6,9 @@ or a neighbour's load hits all three alike), and the median of each metric over 
 
 A run is one prompt forward followed by `new_tokens` one-token greedy decode forwards in a plain
 loop (no `generate`, so the timings contain nothing but the model and the cache).
+
+Over 300 lines because the runs, the side-by-side decode and the statistics share one notion of
+what is timed; split, a reader would have to hold three files to know what a figure means.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MERGE_MODES, Draft, MethodSettings
-from kvtool.profiles.schema import ANSWER_REFERENCES
 from kvtool.calibrate.recipes import SearchSpace
 
 DEFAULT_SAMPLES = 10
@@ -17,15 +16,14 @@ DEFAULT_BATCH_SIZE = 10
 DEFAULT_CANDIDATES = (0, 8, 16, 25, 48, 96)
 # As long as kvtool eval's default generation: the fixed-point queue holds about D entries, so the
 # last D prompt entries are gone after ~D / (1 - budget) steps; 32-token references ended before
-# that and favoured a D that lost on 64-token generations (smollm2 at 0.2: D 25 -> 48, held-out
-# PPL 2.987 -> 2.809). Still a CPU calibration in minutes.
+# that and favoured a D that lost on 64-token generations. Still a CPU calibration in minutes.
 REFERENCE_TOKENS = 64
 # The draft written into the profile (`MethodSettings.draft`, kvtool.runtime.draft): 64 tokens, as
 # long as the references calibration scores and eval's default generation; two rounds, the second
 # drafted through the cache the first scored; verified, each round's draft checked against the
-# full-attention logits of the forward that scores it. It costs prompt forwards and drafted steps,
-# never memory; what each part buys, measured on calibration prompts neither built-in draw uses,
-# is in the README's results.
+# full-attention logits of the draft's forward. It costs drafted steps and one draft-row forward per
+# round (the prompt runs once); what each part buys, measured on calibration prompts neither built-in draw uses,
+# is in docs/results.md, "How calibration was tuned, on calibration prompts".
 DEFAULT_DRAFT = Draft(tokens=64, rounds=2, verify=True)
 # Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
 DEFAULT_MERGE_MODES = ("position", "none")
@@ -57,13 +55,6 @@ class CalibrateConfig:
     # D x `merge_modes` (the papers' recipe). A search takes its D values and merge modes from
     # `candidates` and `merge_modes`; empty `candidates` skips every search.
     search: SearchSpace | None = SearchSpace()
-    # The reference of a prompt with exact `answers` in the recipe search: "forced" (its answers
-    # joined, forced right after the prompt) or "in-context" (the full cache's continuation, scored
-    # only where it writes them: the generation rule then runs through the words before the answer).
-    # Forced stays the default: on the calibration prompts neither built-in draw uses, in-context
-    # found more needles at 0.2 and fewer at 0.5, with higher PPL at both (README, "Scoring the
-    # answer where the model writes it").
-    answer_references: str = "forced"
     # Written into the profile (MethodSettings.draft; None: none), not searched: the search measures
     # every recipe on the recorded prompt state, without it (see `draft_stage`).
     draft: Draft | None = DEFAULT_DRAFT
@@ -93,10 +84,6 @@ class CalibrateConfig:
         unknown = [m for m in merge_modes if m not in MERGE_MODES]
         if unknown:
             raise KvtoolError(f"unknown merge mode {unknown[0]!r} (known: {', '.join(MERGE_MODES)})")
-        if self.answer_references not in ANSWER_REFERENCES:
-            raise KvtoolError(
-                f"answer references must be one of {', '.join(ANSWER_REFERENCES)}, got {self.answer_references!r}"
-            )
         _check_draft(self.draft)
         if self.draft_stage and self.draft is None:
             raise KvtoolError("the draft stage measures recipes with their draft: it needs --draft above 0")
@@ -113,7 +100,6 @@ class CalibrateConfig:
             reference_tokens=self.reference_tokens,
             batch_size=self.batch_size,
             merge_modes=merge_modes,
-            answer_references=self.answer_references,
             draft=self.draft,
             draft_stage=bool(self.draft_stage),
             # One list of D candidates and merge modes: the search's are the config's.

@@ -26,7 +26,6 @@ from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.draft import prepare
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.importance import make_scorer
-from kvtool.scoring.answers import score_answers_only
 from kvtool.scoring import (
     Batch, PromptMeanNll, References, prompt_forward, reference_continuations, teacher_forced_nll,
 )
@@ -146,24 +145,21 @@ def full_pass(
     with_references: bool,
     progress: Progress = no_progress,
     scorers: Sequence[MethodSettings] = (),
-    expected: Sequence[Sequence[Sequence[str]]] = (),
 ) -> FullPass:
     """Importance of every prompt and, `with_references`, the references of every batch.
 
     Statistics are made for the scorer of each settings in `scorers` (default: `method`'s alone),
-    keyed by `scorer_key`. `expected` gives per batch each row's exact answers (empty: none): such a
-    row's reference is scored only where the full cache writes them (`scoring.answers`)."""
+    keyed by `scorer_key`."""
     scorers = tuple({scorer_key(s): s for s in (scorers or (method,))}.items())
     samples = sum(len(b.rows) for b in batches)
     importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
     steps = _Counter(STAGE_REFERENCES, len(batches) * (reference_tokens - 1), progress)
     parts, states, images = [], [], []
     eos = eos_token_ids(model, tokenizer)
-    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
     handle = attach(model, uniform_profile(model, 1.0, method))
     try:
         with torch.inference_mode():
-            for index, (batch, batch_answers) in enumerate(zip(batches, answers)):
+            for batch, batch_answers in zip(batches, answers):
                 cache = handle.bare_cache(record_importance=True)
                 first_logits = prompt_forward(model, batch, cache)
                 parts.append((batch.rows, {key: scorer_stats(cache, s.scorer, _scored_by(method, s)) for key, s in scorers}))
@@ -181,8 +177,6 @@ def full_pass(
                     length=reference_tokens, eos_ids=eos,
                     pad_id=tokenizer.pad_token_id, answers=batch_answers, on_step=steps.step,
                 )
-                if expected:
-                    references = score_answers_only(references, expected[index], decode)
                 states.append(PromptState(batch, first_logits, snapshot, references))
     finally:
         handle.detach()

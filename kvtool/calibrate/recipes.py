@@ -16,6 +16,8 @@ chosen); a second round follows if the first moved. About 15-30 recipes, each a 
 The PPLs come from the prompts that choose; the finalists are re-measured on calibration prompts
 the choice never saw, and `pick_recipe` decides what ships. Nothing here runs a model: `measure` is
 handed in, which keeps the search testable against a brute-force search of the same space.
+
+Over 300 lines because the search space and the order it is searched in are one argument.
 """
 
 from __future__ import annotations

@@ -54,20 +54,12 @@ class CalibrationResult:
 
 def exact_answers(records: Sequence[Record]) -> tuple[Record, ...]:
     """Records whose exact `answers` (retrieval needles) become their reference, joined as a list
-    and forced right after the prompt (`answer_references="forced"`): the recipe search then
-    measures whether those facts survive the prompt's compression, not the model's wording around
-    them (records with an `answer`, or none, stay as they are)."""
+    and forced right after the prompt: the recipe search then measures whether those facts survive
+    the prompt's compression, not the model's wording around them (records with an `answer`, or
+    none, stay as they are)."""
     return tuple(
         replace(r, answer=", ".join(r.answers)) if r.answers and r.answer is None else r for r in records
     )
-
-
-def expected_answers(records: Sequence[Record]) -> list[tuple[str, ...]]:
-    """Each record's exact `answers` where they decide its reference under
-    `answer_references="in-context"`: scored where the full cache's own continuation writes them
-    (`scoring.answers`), so the generation rule runs through the words before them. A record with
-    an `answer` of its own keeps that one as its reference."""
-    return [r.answers if r.answer is None else () for r in records]
 
 
 def calibrate(
@@ -98,14 +90,13 @@ def calibrate(
     # The recipe is chosen on one half and confirmed on the other; one prompt cannot be split.
     choosing, confirming = split_by_kind(chosen) if space and len(chosen) > 1 else (chosen, ())
     chosen = choosing + confirming
-    in_context = space is not None and config.answer_references == "in-context"
-    if space is not None and not in_context:
+    if space is not None:
         choosing, confirming = exact_answers(choosing), exact_answers(confirming)
     report = progress or no_progress
 
     loaded = as_loaded(model, "calibrate")
     method = config.method
-    batches, answers, expected = [], [], []
+    batches, answers = [], []
     for offset, part in ((0, choosing), (len(choosing), confirming)):
         if part:
             part_batches, part_answers = encode_batches(
@@ -113,9 +104,6 @@ def calibrate(
             )
             batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
             answers += part_answers
-            if in_context:
-                wanted = expected_answers(part)
-                expected += [[wanted[r] for r in b.rows] for b in part_batches]
 
     # Statistics under every scorer the search may reach (window: each window and pool width, the
     # seeds' own, e.g. TOVA's one row), and always attention-sum's: PrefixKV's ratios and the
@@ -127,7 +115,7 @@ def calibrate(
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
         reference_tokens=config.reference_tokens, with_references=bool(config.candidates), progress=report,
-        scorers=scorers, expected=expected,
+        scorers=scorers,
     )
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
@@ -175,8 +163,6 @@ def calibrate(
     chosen_stats = measured.stats_by_scorer[source]
     allocation = allocated[source].allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
-    if in_context:
-        profile = replace(profile, calibration=replace(profile.calibration, answer_references="in-context"))
     if dest is not None:
         save_profile(profile, dest)
     return CalibrationResult(

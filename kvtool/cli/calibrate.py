@@ -1,4 +1,8 @@
-"""`kvtool calibrate MODEL --budget B`: measure a model's per-layer importance and write a profile."""
+"""`kvtool calibrate MODEL --budget B`: measure a model's per-layer importance and write a profile.
+
+Over 300 lines because most of it is the options' help text and the progress display of the
+calibration's stages, which belong with the command they describe.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ class StageBars:
 
     The bars are redrawn from the reports, at most every REDRAW_SECONDS, not by rich's refresh
     thread: that thread redraws ten times a second and takes the interpreter lock from the one-token
-    loops it reports on; calibration took 162.5 s with it against 143.0 s without any bars."""
+    loops it reports on; what they cost is in docs/results.md, "Calibration time"."""
 
     REDRAW_SECONDS = 0.5
 
@@ -156,16 +160,6 @@ def calibrate_command(
             "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens).",
         ),
     ] = 64,  # kvtool.calibrate.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
-    answer_references: Annotated[
-        str,
-        typer.Option(
-            "--answer-references",
-            help="How the search scores prompts with exact answers (retrieval needles): 'forced' (default) forces "
-            "the answers right after the prompt; 'in-context' teacher-forces the full cache's own continuation and "
-            "scores only where it writes them, so a generation rule that drops the needle during the words before "
-            "the answer is seen.",
-        ),
-    ] = "forced",
     draft: Annotated[
         str,
         typer.Option(
@@ -194,8 +188,6 @@ def calibrate_command(
 
     if space and not search:
         raise KvtoolError("--space changes the recipe search; it cannot go with --papers")
-    if answer_references != "forced" and not search:
-        raise KvtoolError("--answer-references changes the recipe search's references; it cannot go with --papers")
     if merge != "auto" and merge not in MERGE_MODES:
         raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
@@ -209,7 +201,6 @@ def calibrate_command(
         method=MethodSettings() if merge == "auto" else MethodSettings(merge=merge),
         merge_modes=DEFAULT_MERGE_MODES if merge == "auto" else (merge,),
         reference_tokens=reference_tokens,
-        answer_references=answer_references,
         draft=draft_settings,
         draft_stage=draft_stage,
         # Its D candidates and merge modes are the config's.
@@ -318,8 +309,6 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
         facts.add_row("Recipe", f"{describe(picked)} (lowest PPL on {chosen.chosen_on} prompts)")
     if chosen.drafted is not None:
         add_draft_stage_facts(facts, chosen)
-    if result.profile.calibration.answer_references == "in-context":
-        facts.add_row("Answer rows", "scored where the full cache's continuation writes the answers (in-context)")
     facts.add_row(
         "Calibration PPL",
         f"full {chosen.ppl_full:.3f} → {chosen.search.ppl_of(picked):.3f} (papers' recipe "

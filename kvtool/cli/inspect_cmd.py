@@ -136,8 +136,6 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
         if info.held_out_ppl_full is not None:
             held += f" (full cache PPL there {info.held_out_ppl_full:.3f})"
         rows.append(("Recipe search", f"{len(info.recipes or ())} recipes tried on {info.chosen_on} prompts{held}"))
-        if info.answer_references == "in-context":
-            rows.append(("Answer rows", "scored where the full cache's continuation writes the answers (in-context)"))
     return rows
 
 

@@ -5,13 +5,8 @@ are small, so torch's OpenMP threads meet at a barrier thousands of times a seco
 (libgomp's default: a few hundred thousand iterations before sleeping) is fastest on an otherwise
 idle CPU. With another busy process on the same cores, a spinning thread holds a core the other
 process wants and the barrier waits for a thread that is not running; sleeping at once
-(OMP_WAIT_POLICY=PASSIVE) is then the better choice. Measured on the 2-core development machine,
-`calibrate("smollm2", 0.2)` with the default 10 samples, the same profile every time:
-
-| CPU at the start           | spin (default) | PASSIVE | spin 2,000 | spin 20,000 |
-| -------------------------- | -------------- | ------- | ---------- | ----------- |
-| idle                       | 143.0 s        | 179.5 s | 178.6 s    | 146.0 s     |
-| one core busy elsewhere    | (not run)      | 238.9 s | 312.4 s    | over 400 s  |
+(OMP_WAIT_POLICY=PASSIVE) is then the better choice. Measured on the 2-core development machine
+with `calibrate("smollm2", 0.2)`: docs/results.md, "Calibration time".
 
 So the threads keep libgomp's default when the CPU is idle as the command starts, and sleep at
 once when something else is already running. An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.

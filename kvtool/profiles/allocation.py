@@ -1,7 +1,7 @@
 """Per-layer kept ratios from cumulative-priority curves (PrefixKV's global prefix configuration).
 
 For a retention level ``p`` each layer keeps ``R_l(p) = min{o : P_l(o) >= p}``; ``p`` is found by
-bisection so that ``mean_l R_l(p) = budget`` (budget = kept fraction, notes/methods.md "Budget").
+bisection so that ``mean_l R_l(p) = budget`` (budget = kept fraction, docs/methods.md "Terms").
 
 Exact budget. ``mean_l R_l(p)`` is nondecreasing in ``p`` but need not hit the budget: it jumps where
 a curve is flat, stalls at ``min_ratio``, and tops out below 1 when some tokens carry no importance.

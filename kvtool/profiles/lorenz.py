@@ -1,6 +1,6 @@
 """Cumulative-priority curves, Lorenz curves and Gini coefficients of per-layer token importance.
 
-Conventions (docs: notes/methods.md, "Per-layer budgets (PrefixKV)"):
+Conventions (docs: docs/methods.md, "Per-layer ratios (PrefixKV)"):
 
 * The priority curve ``P(o)`` is the share of total importance kept when a layer keeps the top
   fraction ``o`` of its tokens. For ``n`` tokens it is the piecewise-linear curve through the knots

@@ -27,9 +27,6 @@ SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
 SCORERS = ("attention-sum", "window", "union")
 # The scorers that read the observation window and max-pool it (their window and pool matter).
 WINDOW_SCORERS = ("window", "union")
-# How calibration makes the reference of a prompt with exact answers (see kvtool.scoring.answers):
-# the answers forced right after the prompt, or the full cache's continuation scored where it writes them.
-ANSWER_REFERENCES = ("forced", "in-context")
 HEAD_MODES = ("shared", "per-head")
 # Where the per-layer ratios come from: the Lorenz curves of the profile's scorer, PrefixKV's
 # attention-sum curves whatever the scorer, or the budget in every layer.
@@ -210,8 +207,13 @@ class CalibrationInfo:
     # Keys older files may hold that no longer map to a field: accepted with these values, then
     # ignored. `curve_importance` named the per-token score the Lorenz curves were built from ("mean"
     # or the plain column "sum"); only "mean" is made now, but ratios solved on "sum" curves are
-    # still a calibration the runtime applies as it is.
-    LEGACY_KEYS: ClassVar[dict[str, Legacy]] = {"curve_importance": legacy("str", choices=("mean", "sum"))}
+    # still a calibration the runtime applies as it is. `answer_references` recorded a search that
+    # scored answer rows where the full cache writes them ("in-context"), an option measured as no
+    # better than the answers forced after the prompt and retired.
+    LEGACY_KEYS: ClassVar[dict[str, Legacy]] = {
+        "curve_importance": legacy("str", choices=("mean", "sum")),
+        "answer_references": legacy("str", choices=("forced", "in-context")),
+    }
 
     dataset_hash: str
     samples: int = field(metadata=rule(low=1))
@@ -232,10 +234,6 @@ class CalibrationInfo:
     confirmed_on: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     held_out_ppl_full: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
     recipes: tuple[RecipeTrial, ...] | None = field(default=None, metadata=rule(omit_none=True))
-    # How the recipe search referenced prompts with exact answers: "in-context" (scored where the
-    # full cache writes them, `kvtool calibrate --answer-references in-context`); left out for the
-    # default, the answers forced right after the prompt.
-    answer_references: str | None = field(default=None, metadata=rule(choices=ANSWER_REFERENCES, omit_none=True))
     # True when the held-out prompts rejected the search's choice and the method is the finalist
     # with the lowest PPL over all the prompts (nothing independent confirms it); left out otherwise.
     fell_back: bool | None = field(default=None, metadata=rule(omit_none=True))

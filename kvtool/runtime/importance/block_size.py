@@ -12,9 +12,8 @@ from kvtool.runtime.importance.causal_blocks import causal_blocks
 from kvtool.runtime.importance.scores import NO_EXTRAS
 
 
-# Score elements per row block. The best size depends on the CPU's caches and cores (2**22 float32,
-# 16 MiB, was fastest on one 2-core machine at 4096 tokens and another machine of the same kind
-# measured a 1.56x slower prompt phase), so it is measured: the first long prompt of each shape
+# Score elements per row block. The best size depends on the CPU's caches and cores (the fastest
+# size on one 2-core machine was much slower on another of the same kind), so it is measured: the first long prompt of each shape
 # times every candidate on its own last rows and keeps the fastest (`block_tuning()` tells what
 # was measured). An int here (or KVTOOL_BLOCK_ELEMENTS) fixes the size instead. Read when a call
 # starts, like CHUNK_ELEMENTS. The block size changes only the order of the column sums' additions.

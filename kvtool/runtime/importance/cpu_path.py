@@ -43,7 +43,7 @@ def blocked_attention(query, keys, values, mask, scaling, request):
     are never repeated), softmax, one GEMM for the output, and the block's probabilities summed into
     the column totals while they are still in cache. That is the attention the layer needs anyway plus
     one reduction; computing the output with the flash kernel and the column sums in a second,
-    swapped flash pass cost 1.4x more (benchmarks/decode_speed.py, 4096-token prompts).
+    swapped flash pass was slower on the CPU.
     """
     bsz, n_heads, n, head_dim = query.shape
     starts = left_padded_causal(mask, bsz, n, query.device)

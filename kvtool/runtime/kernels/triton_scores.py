@@ -27,6 +27,9 @@ dynamo imports it, and transformers imports dynamo): the kernels are wrapped for
 the compiler on each call, and they call no helper that Triton wrapped at its own import (tl.sum,
 tl.max and tl.zeros are spelled as tl.reduce with tl.standard's combine functions, which the
 interpreter recognises, and tl.full).
+
+Over 300 lines because the two kernels, their launcher and the float64 reference they are checked
+against must be read together.
 """
 
 from __future__ import annotations

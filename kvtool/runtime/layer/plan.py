@@ -41,9 +41,9 @@ class LayerPlan:
     # Share of each sequence's kept prompt entries reserved for the most recent tokens (on top of
     # `recent_window`): on a small budget the question and the last turn are what the answer reads.
     recent_share: float = 0.0
-    # Entries a layer keeps however short the sequence (`attach(..., min_kept=N)`): at 0.2 a 30-token
-    # chat prompt leaves SmolLM2's tightest layer (ratio 0.058) 2 entries and the model degenerates,
-    # while a floor costs nothing once ratio * T passes it. 0: the ratio alone.
+    # Entries a layer keeps however short the sequence (`attach(..., min_kept=N)`): at small budgets a short
+    # prompt leaves the tightest layers a few entries and the model degenerates, while a floor costs
+    # nothing once ratio * T passes it. 0: the ratio alone.
     min_kept: int = 0
 
     def __post_init__(self) -> None:
