@@ -75,6 +75,7 @@ def without_run_facts(profile) -> dict:
     doc = profile_to_dict(profile)
     doc.pop("created")
     doc["calibration"].pop("seconds")
+    doc["calibration"].pop("prompt_overhead")  # a measured time ratio
     return doc
 
 
@@ -198,7 +199,8 @@ def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -
     from kvtool.profiles import Draft
 
     assert DEFAULT_DRAFT.tokens > 0 and DEFAULT_DRAFT.rounds >= 1
-    method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=()).profile.method
+    # No limit: on these 3-row toy prompts a draft costs many times their prompt forward.
+    method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), max_prompt_overhead=None).profile.method
     assert method.draft == DEFAULT_DRAFT
     method = calibrate(tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=None).profile.method
     assert method.draft is None  # no draft, nothing written
@@ -616,3 +618,38 @@ def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel
     assert loaded.method == chosen
     plans = [p for p in layer_plans(loaded) if p is not None]
     assert plans and all(p.window_share == chosen.window_share and p.scoring.window_share == chosen.window_share for p in plans)
+
+
+def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_one(tiny: LoadedModel, monkeypatch) -> None:
+    """The ladder: one round fewer, then half the tokens down to 8, then none; the first draft within
+    the limit ships, and the profile records its measured overhead and the limit (canned overheads:
+    the measurement itself is a benchmark's business, not a test's)."""
+    from kvtool.calibrate import cost
+    from kvtool.profiles import Draft
+
+    assert cost.cheaper_drafts(Draft(32, 3, True)) == [
+        Draft(32, 3, True), Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
+    ]
+    overheads = {Draft(32, 2, True): 5.0, Draft(32, 1, True): 3.5, Draft(16, 1, True): 2.5, Draft(8, 1, True): 1.8, None: 1.1}
+    measured = []
+
+    def canned(model, profile, prompts, repeats=cost.REPEATS):
+        measured.append(profile.method.draft)
+        return overheads[profile.method.draft]
+
+    monkeypatch.setattr(cost, "prompt_overhead", canned)
+    run = lambda limit: calibrate(  # noqa: E731
+        tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=Draft(32, 2, True), max_prompt_overhead=limit
+    ).profile
+    profile = run(3.0)
+    assert measured == [Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True)]
+    assert profile.method.draft == Draft(16, 1, True)
+    assert (profile.calibration.prompt_overhead, profile.calibration.max_prompt_overhead) == (2.5, 3.0)
+    measured.clear()
+    assert run(1.0).method.draft is None and measured[-1] is None  # nothing fits: no draft
+    measured.clear()
+    unlimited = run(None)
+    assert unlimited.method.draft == Draft(32, 2, True) and measured == [Draft(32, 2, True)]
+    assert unlimited.calibration.prompt_overhead == 5.0 and unlimited.calibration.max_prompt_overhead is None
+    with pytest.raises(KvtoolError, match="max-prompt-overhead must be a number >= 1"):
+        run(0.5)

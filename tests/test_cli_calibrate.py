@@ -294,7 +294,7 @@ def test_smollm2_ratios_agree_across_disjoint_sample_sets(smollm2: str) -> None:
     first, second = records[0:5], records[5:10]
     assert not {r.prompt for r in first} & {r.prompt for r in second}
     ratios = [
-        np.array(calibrate(model, 0.2, data=part, samples=5, max_prompt_tokens=256, candidates=()).profile.ratios)
+        np.array(calibrate(model, 0.2, data=part, samples=5, max_prompt_tokens=256, candidates=(), draft=None).profile.ratios)  # the draft does not change the ratios
         for part in (first, second)
     ]
     diff = np.abs(ratios[0] - ratios[1])
@@ -313,18 +313,26 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
     from kvtool.profiles import Draft
 
     assert parse_draft(inspect.signature(calibrate_command).parameters["draft"].default) == (DEFAULT_DRAFT, False)
+    from kvtool.calibrate.config import DEFAULT_MAX_PROMPT_OVERHEAD
+    from kvtool.cli.calibrate import parse_overhead
+
+    limit = inspect.signature(calibrate_command).parameters["max_prompt_overhead"].default
+    assert parse_overhead(limit) == DEFAULT_MAX_PROMPT_OVERHEAD and parse_overhead("none") is None
     assert parse_draft("32") == (Draft(32, DEFAULT_DRAFT.rounds, DEFAULT_DRAFT.verify), False)  # the rest as the default
     assert parse_draft("8,rounds=1,no-verify,stage") == (Draft(8), True)
     assert parse_draft("none") == (None, False) and parse_draft("0") == (None, False)
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6,rounds=3", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "6,rounds=3", "--max-prompt-overhead", "none", "--out", str(out))
     assert code == 0, err
     assert read_profile(out).method.draft == Draft(6, 3, verify=True)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
     assert code == 0 and "prompt scored again with a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
+    overhead = read_profile(out).calibration.prompt_overhead
+    text = " ".join(shown.split())
+    assert overhead > 0 and f"{overhead:.2f}x the full cache's" in text and "(no limit)" in text
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
-                       "--data", str(data_file), "--papers", "--draft", "6,no-verify", "--out", str(out))
+                       "--data", str(data_file), "--papers", "--draft", "6,no-verify", "--max-prompt-overhead", "none", "--out", str(out))
     assert code == 0, err
     assert read_profile(out).method.draft == Draft(6, DEFAULT_DRAFT.rounds, verify=False)
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
@@ -336,6 +344,8 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
         (["--draft", "6,rounds=0"], "--draft rounds must be at least 1"),
         (["--draft", "6,reuse"], "--draft takes TOKENS"),
         (["--lookahead", "2"], "No such option"),
+        (["--max-prompt-overhead", "0.5"], "--max-prompt-overhead takes a number >= 1"),
+        (["--max-prompt-overhead", "fast"], "--max-prompt-overhead takes a number >= 1"),
     ):
         code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", *bad,
                            "--out", str(tmp_path / "q.yaml"))

@@ -1,5 +1,8 @@
 """A draft: tokens drafted through the compressed cache score the prompt again, then are dropped.
 
+The draft reads the prompt each layer held aside (`runtime.held`); the reference it is checked
+against here is the prompt's own forward with the draft appended (`KvtoolCache.set_draft`).
+
 What a draft layer keeps after the second prompt forward is checked against an eager-attention
 brute force for every rule in tests/test_runtime_rules.py (CASES, `draft` ids). Here: the two-pass
 helper drafts exactly the plain compressed cache's greedy tokens and hands that draft to the second

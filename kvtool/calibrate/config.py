@@ -25,6 +25,7 @@ REFERENCE_TOKENS = 64
 # round (the prompt runs once); what each part buys, measured on calibration prompts neither built-in draw uses,
 # is in docs/results.md, "How calibration was tuned, on calibration prompts".
 DEFAULT_DRAFT = Draft(tokens=64, rounds=2, verify=True)
+DEFAULT_MAX_PROMPT_OVERHEAD = 4.0
 # Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
 DEFAULT_MERGE_MODES = ("position", "none")
 
@@ -63,6 +64,11 @@ class CalibrateConfig:
     # each candidate pays its own prompt forwards and drafts, which takes the default 10-prompt run
     # past 3 minutes; the built-in profiles are made with it (scripts/build_builtin_profiles.sh).
     draft_stage: bool = False
+    # The most the prompt phase may cost, as a multiple of the full cache's prompt forward, measured
+    # on the calibration prompts (`calibrate.cost`): a draft over it is replaced by the next cheaper
+    # one that fits. None: measured and recorded, never limited. Why this value: docs/results.md,
+    # "Speed and memory on the CPU".
+    max_prompt_overhead: float | None = DEFAULT_MAX_PROMPT_OVERHEAD
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -89,6 +95,9 @@ class CalibrateConfig:
             raise KvtoolError("the draft stage measures recipes with their draft: it needs --draft above 0")
         if self.draft_stage and self.search is None:
             raise KvtoolError("the draft stage re-ranks the recipe search's pick: it needs the search")
+        limit = self.max_prompt_overhead
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1.0):
+            raise KvtoolError(f"max-prompt-overhead must be a number >= 1 (a multiple of the full cache's prompt phase), got {limit!r}")
         if self.reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
@@ -102,6 +111,7 @@ class CalibrateConfig:
             merge_modes=merge_modes,
             draft=self.draft,
             draft_stage=bool(self.draft_stage),
+            max_prompt_overhead=None if limit is None else float(limit),
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

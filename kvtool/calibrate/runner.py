@@ -21,6 +21,7 @@ from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
 from kvtool.calibrate.config import CalibrateConfig
+from kvtool.calibrate.cost import affordable_draft
 from kvtool.calibrate.passes import Progress, full_pass, no_progress, scorer_key, search_truncation_and_merge
 from kvtool.calibrate.recipes import seed_recipes, stage_options
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
@@ -77,8 +78,9 @@ def calibrate(
     `data` is a JSONL path or records (default: the shipped calibration prompts). The run follows
     `config`, with any of its fields given as keywords instead (`samples=3, candidates=()`). With
     `out` the profile is written atomically there (checked writable before any model work). Same
-    inputs and seed give the same profile, apart from `created` and the recorded
-    `calibration.seconds`. Bad input is a one-line KvtoolError, found before the model is loaded.
+    inputs and seed give the same profile, apart from `created` and the measured
+    `calibration.seconds` and `prompt_overhead` (and the draft, if two runs' overheads fall on
+    either side of `max_prompt_overhead`). Bad input is a one-line KvtoolError, found before the model is loaded.
     """
     started = time.perf_counter()
     budget = check_budget(budget)
@@ -158,11 +160,18 @@ def calibrate(
         profile = with_method(profile, merge=search.merge, truncation_distance=truncation.best)
     else:
         profile = profile_for(method)
+    # The prompt phase the profile will cost, on the last batch (the held-out prompts where there are
+    # two halves); a draft over the limit gives way to the next cheaper one that fits.
+    costs = affordable_draft(loaded.model, profile, batches[-1:], config.max_prompt_overhead, progress=report)
+    profile = replace(profile, method=replace(profile.method, draft=costs[-1].draft))
     seconds = time.perf_counter() - started
     source = curves_of(profile.method)
     chosen_stats = measured.stats_by_scorer[source]
     allocation = allocated[source].allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
+    profile = replace(profile, calibration=replace(
+        profile.calibration, prompt_overhead=round(costs[-1].ratio, 3), max_prompt_overhead=config.max_prompt_overhead,
+    ))
     if dest is not None:
         save_profile(profile, dest)
     return CalibrationResult(

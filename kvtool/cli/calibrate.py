@@ -165,8 +165,8 @@ def calibrate_command(
         typer.Option(
             "--draft",
             help="The profile's draft: tokens drafted through the compressed cache before the prompt is compressed "
-            "again with their attention in its scores (the budget holds; the cost is a prompt forward and the "
-            "draft's steps per round, never longer than the generation). Comma-separated: the tokens (0 or 'none': "
+            "again with their attention in its scores (the budget holds; the cost is the draft's steps and one "
+            "forward of its rows per round, never longer than the generation). Comma-separated: the tokens (0 or 'none': "
             "compress once), 'rounds=N' (each round drafts through the cache the last one scored), 'verify' / "
             "'no-verify' (check each draft against the full-attention logits of the forward that scores it; the "
             "answer starts with the agreed prefix), 'stage' (after the search, measure its pick and the recipes one "
@@ -175,6 +175,16 @@ def calibrate_command(
             "(sliding-window layers) get none.",
         ),
     ] = DRAFT_DEFAULT,
+    max_prompt_overhead: Annotated[
+        str,
+        typer.Option(
+            "--max-prompt-overhead",
+            help="The most the prompt phase may cost, as a multiple of the full cache's prompt forward, measured on "
+            "the calibration prompts with the profile's draft: a draft over it gives way to the next cheaper one "
+            "that fits (one round fewer, then half the tokens, then none). 'none': measure and record only. The "
+            "profile records the measured overhead; `kvtool inspect profile` shows it.",
+        ),
+    ] = "4",  # kvtool.calibrate.config.DEFAULT_MAX_PROMPT_OVERHEAD (a test keeps them equal)
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     choose_openmp_wait()
@@ -192,6 +202,7 @@ def calibrate_command(
         raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
     draft_settings, draft_stage = parse_draft(draft)
+    overhead_limit = parse_overhead(max_prompt_overhead)
     model_budget = check_budget(budget)
     dest = check_writable(out if out is not None else default_out_path(model, model_budget))
     config = CalibrateConfig(
@@ -203,12 +214,26 @@ def calibrate_command(
         reference_tokens=reference_tokens,
         draft=draft_settings,
         draft_stage=draft_stage,
+        max_prompt_overhead=overhead_limit,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )
     with StageBars(Console(stderr=True)) as bars:
         result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)
     render_summary(Console(), result)
+
+
+def parse_overhead(spec: str) -> float | None:
+    """`--max-prompt-overhead` as a number >= 1 or None ('none'); a one-line KvtoolError otherwise."""
+    if spec.strip().lower() == "none":
+        return None
+    try:
+        limit = float(spec)
+    except ValueError:
+        limit = float("nan")
+    if not limit >= 1.0:
+        raise KvtoolError(f"--max-prompt-overhead takes a number >= 1 (a multiple of the full cache's prompt phase) or none, got {spec!r}")
+    return limit
 
 
 def parse_draft(spec: str) -> tuple[Any, bool]:

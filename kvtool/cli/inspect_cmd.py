@@ -136,6 +136,9 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
         if info.held_out_ppl_full is not None:
             held += f" (full cache PPL there {info.held_out_ppl_full:.3f})"
         rows.append(("Recipe search", f"{len(info.recipes or ())} recipes tried on {info.chosen_on} prompts{held}"))
+    if info.prompt_overhead is not None:
+        limit = f" (limit {info.max_prompt_overhead:g}x)" if info.max_prompt_overhead is not None else " (no limit)"
+        rows.append(("Prompt phase", f"{info.prompt_overhead:.2f}x the full cache's, measured on the calibration prompts{limit}"))
     return rows
 
 

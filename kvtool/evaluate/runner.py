@@ -9,6 +9,9 @@ at the end of (2) against a full cache's give the kept fraction, their largest v
 the peak. `score_from = K` leaves the first K tokens of every reference and output out of PPL,
 top-1 and ROUGE-L (accuracy reads the whole output). A profile's draft prepares each batch's cache
 as `generate` does (`kvtool.runtime.draft.prepare`).
+
+Over 300 lines because the protocol (one full-cache run, then every method from copies of the same
+state) is one loop whose steps share their state; split, its order would be hard to follow.
 """
 
 from __future__ import annotations

@@ -234,6 +234,11 @@ class CalibrationInfo:
     confirmed_on: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     held_out_ppl_full: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
     recipes: tuple[RecipeTrial, ...] | None = field(default=None, metadata=rule(omit_none=True))
+    # The prompt phase measured with the shipped method and its draft, as a multiple of the full
+    # cache's prompt forward on the calibration prompts (`kvtool.calibrate.cost`), and the limit it
+    # had to stay within (`kvtool calibrate --max-prompt-overhead`; left out when none was set).
+    prompt_overhead: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+    max_prompt_overhead: float | None = field(default=None, metadata=rule(low=1, omit_none=True))
     # True when the held-out prompts rejected the search's choice and the method is the finalist
     # with the lowest PPL over all the prompts (nothing independent confirms it); left out otherwise.
     fell_back: bool | None = field(default=None, metadata=rule(omit_none=True))

@@ -2,7 +2,8 @@
 
 For layers whose cache is a kvtool CompressingLayer it runs the normal sdpa kernel and then:
 - on the prompt forward, scores and compresses that layer's cache;
-- on later forwards, masks by the layer's own slot validity and evicts once the token is attended.
+- on later forwards, masks by the layer's own slot validity and evicts once the token is attended;
+- for a draft's rows over a held prompt (held.py), sdpa plus the column sums those rows give.
 Every other call (no cache, a plain DynamicCache, sliding-window layers) is exactly sdpa.
 
 How the function finds its cache layer. transformers calls an AttentionInterface function with the

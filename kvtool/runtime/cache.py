@@ -50,13 +50,10 @@ class KvtoolCache(DynamicCache):
     def set_draft(self, tokens: int) -> None:
         """The next forward is the prompt followed by `tokens` draft rows, which score the prompt
         and are then dropped (`CompressingLayer.set_draft`); every layer must compress, since a plain
-        layer would keep the draft."""
-        plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
-        if tokens and plain:
-            raise KvtoolError(
-                f"a draft needs every layer to be a kvtool layer; layers {plain[:3]} keep transformers' own "
-                "(sliding-window layers of hybrid models cannot drop the draft)"
-            )
+        layer would keep the draft. The draft itself reads a held prompt instead (`hold_prompt`);
+        this one-forward form is the reference the tests check it against."""
+        if tokens:
+            self._need_every_layer("a draft")
         for layer in self.compressing_layers().values():
             layer.set_draft(tokens)
 

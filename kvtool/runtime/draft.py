@@ -46,6 +46,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvtool.models.forward import with_cache
 from kvtool.profiles import Draft
+from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.held import HeldCache
 from kvtool.runtime.memory import too_short_to_compress
 from kvtool.runtime.steps import Prompt, prompt_forward, step_tokens
@@ -231,12 +232,12 @@ def generate(
     """
     limit = generate_kwargs.get("max_new_tokens", model.generation_config.max_new_tokens)
     prompt = Prompt.of(inputs)
-    if too_short_to_compress(model, prompt.attention_mask):
-        # Nothing worth saving: the full cache, exactly as without kvtool (runtime.memory).
-        cache = DynamicCache(config=model.config)
-        return model.generate(**inputs, **with_cache(model, cache), **generate_kwargs), cache
-    if draft is None or (limit is not None and limit <= 1):
+    short = too_short_to_compress(model, prompt.attention_mask)
+    if short or draft is None or (limit is not None and limit <= 1):
         cache = make_cache()
+        if short and isinstance(cache, KvtoolCache):
+            # Nothing worth saving: the full cache, exactly as without kvtool (runtime.memory).
+            cache = DynamicCache(config=model.config)
         return model.generate(**inputs, **with_cache(model, cache), **generate_kwargs), cache
     if limit is not None:
         draft = draft.capped(limit)

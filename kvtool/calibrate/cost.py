@@ -1,0 +1,97 @@
+"""What a profile costs in the prompt phase, measured, and the draft it can afford under a limit.
+
+Every recipe the search tries scores the prompt in the same one pass (the scores each rule reads come
+from the same blocks), so recipes differ in prompt-phase cost mostly by their draft: its greedy steps
+and one forward of its rows per round. The cost is measured as users meet it: the time from the
+prompt to a cache ready for the first token (`runtime.draft.prepare`, draft included) over the time
+of the full cache's plain prompt forward, on the same calibration prompts, the two interleaved and
+repeated, the median ratio kept. When the shipped draft costs more than `--max-prompt-overhead`,
+the next cheaper one is measured (one round fewer, then half the tokens, then none) until one fits.
+
+The ratio depends on the prompt length (a longer prompt's forward costs more, a draft's steps about
+the same): calibration prompts are shorter than the long prompts compression is for, so the
+overhead measured here is an upper bound of what those see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvtool.profiles import Draft, Profile
+from kvtool.runtime import attach
+from kvtool.runtime.draft import prepare
+from kvtool.runtime.steps import Prompt, prompt_forward
+
+REPEATS = 3
+STAGE_COST = "prompt cost"  # the progress stage
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """One draft's measured prompt phase against the full cache's (`ratio`, the median over repeats)."""
+
+    draft: Draft | None
+    ratio: float
+
+
+def cheaper_drafts(draft: Draft | None) -> list[Draft | None]:
+    """`draft`, then each cheaper one in the order they are tried: one round fewer down to one, then
+    half the tokens down to 8, then no draft."""
+    ladder: list[Draft | None] = []
+    while draft is not None:
+        ladder.append(draft)
+        if draft.rounds > 1:
+            draft = dataclasses.replace(draft, rounds=draft.rounds - 1)
+        elif draft.tokens // 2 >= 8:
+            draft = dataclasses.replace(draft, tokens=draft.tokens // 2)
+        else:
+            draft = None
+    return [*ladder, None]
+
+
+def prompt_overhead(model: Any, profile: Profile, prompts: Sequence[Prompt], repeats: int = REPEATS) -> float:
+    """The median over `repeats` of (seconds to prepare `prompts` with `profile`'s cache and draft) /
+    (seconds of their full-cache prompt forward), the two interleaved per prompt batch."""
+    ratios = []
+    with torch.no_grad(), attach(model, profile) as handle:
+        for _ in range(repeats):
+            full = kvtool = 0.0
+            for prompt in prompts:
+                full += _seconds(lambda: prompt_forward(model, prompt, DynamicCache(config=model.config)))
+                kvtool += _seconds(lambda: prepare(model, prompt, handle.bare_cache, profile.method.draft))
+            ratios.append(kvtool / full)
+    return statistics.median(ratios)
+
+
+def affordable_draft(
+    model: Any, profile: Profile, prompts: Sequence[Prompt], limit: float | None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[DraftCost]:
+    """Each draft of `cheaper_drafts(profile's)` measured in turn until one's overhead is within
+    `limit` (None: only the profile's own is measured); the last entry is the one to ship (no draft
+    when none fits, whatever its overhead)."""
+    measured = []
+    ladder = cheaper_drafts(profile.method.draft)
+    for draft in ladder:
+        candidate = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=draft))
+        cost = DraftCost(draft, prompt_overhead(model, candidate, prompts))
+        measured.append(cost)
+        if progress is not None:
+            progress(STAGE_COST, len(measured), len(ladder))
+        if limit is None or cost.ratio <= limit:
+            break
+    return measured
+
+
+def _seconds(work: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
