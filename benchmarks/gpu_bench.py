@@ -75,6 +75,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 WARMUP_TOKENS = 256  # the warm-up run's prompt (compiles kernels, fills allocator caches)
 WARMUP_NEW = 4
 CAPACITY_PROBE_STEPS = 8  # decode steps of a capacity probe; the rest of the KV growth is projected
+# cell name -> (prompt tokens, batch, seconds) of its latest full-size run (the time guard's estimate).
+LAST_RUN: dict[str, tuple[int, int, float]] = {}
 RECIPE = ("smollm2", 0.2)  # the shipped recipe whose rules the kvtool cells apply uniformly
 
 # Cell names (JSON keys).
@@ -211,7 +213,12 @@ def measure_cells(
     device = ids.device
     runs: dict[str, list[RunResult]] = {name: [] for name in cells}
     errors: dict[str, str] = {}
-    last: dict[str, float] = {}
+    tokens, batch = ids.shape[1], ids.shape[0]
+    # Before its first run here, a cell's estimate is its last run at an earlier shape, scaled as
+    # attention grows (tokens^2 x batch): a slow cell at 8k must not start an hour at 32k.
+    last: dict[str, float] = {
+        name: seconds * (tokens**2 * batch) / (t0**2 * b0) for name, (t0, b0, seconds) in LAST_RUN.items() if name in cells
+    }
     for name, cell in cells.items():
         if not budget.allows(f"{label} {name}: warm-up"):
             errors[name] = "skipped (time budget)"
@@ -241,6 +248,7 @@ def measure_cells(
                 release(device)
                 continue
             last[name] = time.perf_counter() - started
+            LAST_RUN[name] = (tokens, batch, last[name])
             runs[name].append(result)
             log(
                 f"{label} {name}: run {round_index + 1}: prompt {result.prefill_s:.3f} s, "
@@ -324,108 +332,94 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
 # ----- (e) capacity -----
 
 
-def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[tuple[int, bool]]]:
-    """The largest batch in 1..limit for which `fits` holds, assuming it holds below some size and
-    fails above it: doubling from 1 until it fails, then bisecting. 0 when batch 1 does not fit.
-    Also returns every (batch, fits) probed, in order."""
-    tried: list[tuple[int, bool]] = []
+CAPACITY_CACHES = {"full": "the full cache", "kvtool-no-draft": "kvtool without its draft", "kvtool": "kvtool's recipe"}
+MEMORY_HEADROOM = 0.95  # the share of the device's memory a predicted batch may plan to use
 
-    def probe(batch: int) -> bool:
-        ok = fits(batch)
-        tried.append((batch, ok))
-        return ok
 
-    if not probe(1):
-        return 0, tried
-    good, bad = 1, None
-    while bad is None:
-        nxt = min(good * 2, limit)
-        if nxt == good:
-            return good, tried
-        if probe(nxt):
-            good = nxt
-        else:
-            bad = nxt
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if probe(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, tried
+def predicted_batch(small: RunResult, large: RunResult, memory: float, growth_steps: int, limit: int) -> int:
+    """The largest batch whose peak, extrapolated linearly from probes at two batch sizes, plus each
+    row's KV growth over `growth_steps` more decode steps, fits in MEMORY_HEADROOM of `memory`."""
+    per_row = (large.peak_memory_bytes - small.peak_memory_bytes) / max(1, large.batch - small.batch)
+    fixed = small.peak_memory_bytes - per_row * small.batch
+    growth = large.kv_bytes / large.batch * growth_steps / max(1, sum(large.kv_slots) / len(large.kv_slots))
+    if per_row + growth <= 0:
+        return limit
+    return max(0, min(limit, int((MEMORY_HEADROOM * memory - fixed) // (per_row + growth))))
 
 
 def capacity(
     model, args, method, device: torch.device, report: dict[str, Any] | None = None, checkpoint: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """(e): for the full cache and kvtool's recipe, the largest batch at `--capacity-prompt` tokens
-    whose prompt phase and `CAPACITY_PROBE_STEPS` decode steps run, with the KV growth of the
-    remaining `--capacity-new-tokens` steps projected onto the measured peak (the full cache grows
-    by a token per step; kvtool's is held at its budget, so projecting its growth is conservative);
-    then the throughput at that batch with all `--capacity-new-tokens`."""
+    """(e): for each of `--capacity-caches`, the largest batch at `--capacity-prompt` tokens that runs
+    a prompt phase and `--capacity-new-tokens` decode steps, and its throughput there. Probes at batch
+    1 and 2 (prompt phase and CAPACITY_PROBE_STEPS steps) give the peak memory per row; the batch that
+    fits by that line (with each row's KV growth over the new tokens) is then run in full. If it runs
+    out of memory, the next try is an eighth smaller (at least one less), and the batch reported is
+    the one that ran. Without a GPU, `--capacity-memory-gb` stands for the device's memory."""
     budget: Budget = args.budget_guard
     tokens, new_tokens = args.capacity_prompt, args.capacity_new_tokens
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    memory = args.capacity_memory_gb * GIB if getattr(args, "capacity_memory_gb", None) else None
+    if memory is None and device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
     recipe = uniform_profile(model, args.kv_budget, method)
+    no_draft = uniform_profile(model, args.kv_budget, without_draft(method))
     runners = {
         "full": lambda ids, n: run_full(model, ids, n),
+        "kvtool-no-draft": lambda ids, n: run_kvtool(model, ids, n, no_draft),
         "kvtool": lambda ids, n: run_kvtool(model, ids, n, recipe),
     }
     generator = torch.Generator().manual_seed(2)
     report = {} if report is None else report
-    report.update(prompt_tokens=tokens, new_tokens=new_tokens, device_memory_bytes=total)
-    for name, runner in runners.items():
-        def fits(batch: int) -> bool:
-            if not budget.allows(f"capacity {name}: batch {batch}"):
-                raise TimeoutError("time budget")
-            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
-            release(device)
-            try:
-                result = runner(ids, CAPACITY_PROBE_STEPS)
-            except Exception as error:  # noqa: BLE001
-                if not is_oom(error):
-                    raise
-                result = None
-            if result is None:
-                release(device)
-                log(f"capacity {name}: batch {batch} out of memory")
-                return False
-            growth = result.kv_bytes * (new_tokens - CAPACITY_PROBE_STEPS) / tokens
-            projected = result.peak_memory_bytes + growth
-            ok = total is None or projected <= 0.97 * total
-            log(f"capacity {name}: batch {batch} peak {result.peak_memory_bytes / GIB:.1f} GiB, projected {projected / GIB:.1f} GiB: {'fits' if ok else 'too large'}")
-            return ok
+    report.update(prompt_tokens=tokens, new_tokens=new_tokens, device_memory_bytes=memory)
 
+    def attempt(name: str, batch: int, steps: int, like: RunResult | None = None) -> RunResult | None:
+        # A run's time, estimated from a probe `like`: the prompt phase grows with the rows, a step slowly.
+        estimate = 0.0 if like is None else like.prefill_s * batch / like.batch + like.decode_s / like.new_tokens * steps * (batch / like.batch) ** 0.5
+        if not budget.allows(f"capacity {name}: batch {batch}, {steps} new tokens", estimate):
+            raise TimeoutError("time budget")
+        ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
+        release(device)
+        try:
+            return runners[name](ids, steps)
+        except Exception as error:  # noqa: BLE001
+            if not is_oom(error):
+                raise
+        del ids
+        release(device)
+        log(f"capacity {name}: batch {batch} with {steps} new tokens ran out of memory")
+        return None
+
+    for name in args.capacity_caches:
         entry: dict[str, Any] = report.setdefault(name, {})
         try:
-            batch, tried = largest_fitting(fits, args.capacity_max_batch)
-            entry.update(batch=batch, probes=tried)
+            probes = [attempt(name, batch, CAPACITY_PROBE_STEPS) for batch in (1, 2)]
+            entry["probes"] = [None if p is None else dataclasses.asdict(p) for p in probes]
+            if None in probes:
+                entry.update(batch=int(probes[0] is not None), note="batch 2 does not fit" if probes[0] else "batch 1 does not fit")
+                continue
+            batch = args.capacity_max_batch if memory is None else predicted_batch(*probes, memory, new_tokens, args.capacity_max_batch)
+            entry["predicted_batch"] = batch
+            log(f"capacity {name}: predicted largest batch {batch}")
+            while batch > 0:
+                result = attempt(name, batch, new_tokens, probes[1])
+                if result is not None:
+                    entry.update(batch=batch, run=dataclasses.asdict(result), decode_tok_s=result.decode_tok_s,
+                                 end_to_end_tok_s=result.end_to_end_tok_s)
+                    log(f"capacity {name}: batch {batch} ran: peak {result.peak_memory_bytes / GIB:.1f} GiB, "
+                        f"{result.end_to_end_tok_s:.1f} tok/s end to end")
+                    break
+                batch -= max(1, batch // 8)
+            else:
+                entry["batch"] = 0
             if batch == args.capacity_max_batch:
                 entry["note"] = f"at the --capacity-max-batch limit ({batch}); more may fit"
-            while batch > 0 and budget.allows(f"capacity {name}: throughput at batch {batch}"):
-                ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
-                try:
-                    result = runner(ids, new_tokens)
-                except Exception as error:  # noqa: BLE001
-                    if not is_oom(error):
-                        raise
-                    result = None
-                if result is None:
-                    del ids
-                    release(device)
-                    log(f"capacity {name}: {new_tokens} new tokens at batch {batch} ran out of memory; one less")
-                    batch -= 1
-                    entry["batch"] = batch
-                    continue
-                entry["run"] = dataclasses.asdict(result)
-                entry.update(decode_tok_s=result.decode_tok_s, end_to_end_tok_s=result.end_to_end_tok_s)
-                break
         except TimeoutError:
             entry["note"] = "time budget"
         except Exception:  # noqa: BLE001
             entry["error"] = traceback.format_exc(limit=4)
-        release(device)
-        checkpoint()
+        finally:
+            release(device)
+            checkpoint()
     return report
 
 
@@ -496,8 +490,8 @@ def kernel_check(
 
 
 # Tile choices `--kernel-sweep` times (fwd_m, fwd_n, warps) and (sum_m, sum_n, warps), 3 stages.
-FWD_CHOICES = ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4))
-SUM_CHOICES = ((64, 64, 8), (64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 64, 4))
+FWD_CHOICES = ((64, 64, 4), (128, 64, 8), (64, 32, 4), (64, 64, 8), (128, 64, 4))
+SUM_CHOICES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (64, 32, 4))
 
 
 def block_sweep(qkv, shape: tuple[int, int], head_dim: int, device: torch.device) -> dict[str, Any]:
@@ -544,6 +538,83 @@ def device_time(fn: Callable[[], Any], device: torch.device, repeats: int = 10) 
             fn()
             times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+# ----- (g) where the time goes -----
+
+
+def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any], steps: int = 8) -> dict[str, Any]:
+    """torch.profiler over `steps` decode steps of the full cache and of kvtool without a draft, and
+    over kvtool's prompt phase without and with the draft: the top ops by device time (self CPU time
+    on a CPU) and kernel launches per decode step. What to cut next, not a result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = ids.device
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    report.update(steps=steps, prompt_tokens=ids.shape[1], batch=ids.shape[0])
+
+    def tables(prof) -> dict[str, Any]:
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        return {
+            "by_device_time": events.table(sort_by=key, row_limit=18, max_name_column_width=60),
+            "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60),
+            "launches": launches,
+        }
+
+    recipe = uniform_profile(model, args.kv_budget, method)
+    no_draft = uniform_profile(model, args.kv_budget, without_draft(method))
+    caches = {"full": (None, lambda: DynamicCache(config=model.config)), "kvtool, no draft": (no_draft, None)}
+    for name, (prof_profile, make) in caches.items():
+        context = attach(model, prof_profile) if prof_profile is not None else contextlib.nullcontext(None)
+        with _recorded(report, f"decode: {name}"), context as handle:
+            state = measure.prompt_phase(model, ids, make or handle.bare_cache)
+            measure.decode_steps(model, state, 2)
+            _sync_device(device)
+            started = time.perf_counter()
+            with profile(activities=activities) as prof:
+                measure.decode_steps(model, state, steps)
+                _sync_device(device)
+            entry = tables(prof)
+            entry["step_ms_profiled"] = (time.perf_counter() - started) / steps * 1e3
+            entry["launches_per_step"] = entry["launches"] / steps
+            report[f"decode: {name}"] = entry
+            del state
+            log(f"profile decode {name}: {entry['launches_per_step']:.0f} launches a step, {entry['step_ms_profiled']:.1f} ms a step profiled")
+        release(device)
+    for name, prof_profile in (("kvtool, no draft", no_draft), ("kvtool recipe", recipe)):
+        with _recorded(report, f"prompt phase: {name}"), attach(model, prof_profile) as handle:
+            draft = measure.capped(prof_profile.method.draft, args.new_tokens)
+            measure.prompt_phase(model, ids[:, :WARMUP_TOKENS], handle.bare_cache, draft=draft)
+            _sync_device(device)
+            started = time.perf_counter()
+            with profile(activities=activities) as prof:
+                state = measure.prompt_phase(model, ids, handle.bare_cache, draft=draft)
+                _sync_device(device)
+            entry = tables(prof)
+            entry["seconds_profiled"] = time.perf_counter() - started
+            report[f"prompt phase: {name}"] = entry
+            del state
+            log(f"profile prompt phase {name}: {entry['seconds_profiled']:.2f} s profiled, {entry['launches']} launches")
+        release(device)
+    return report
+
+
+@contextlib.contextmanager
+def _recorded(report: dict[str, Any], name: str):
+    """A failure inside is written into report[name] instead of ending the profile."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001
+        report[name] = {"error": traceback.format_exc(limit=6)}
+        log(f"profile {name} failed: {report[name]['error'].strip().splitlines()[-1]}")
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----- benchmarks/cuda_check.py's exactness checks -----
@@ -608,15 +679,18 @@ def markdown(report: dict[str, Any]) -> str:
     cap = report.get("capacity")
     if cap:
         lines += ["", f"Capacity at {cap['prompt_tokens']} prompt tokens, {cap['new_tokens']} new tokens:", "",
-                  "| cache | largest batch | decode, tok/s | end-to-end, tok/s | peak, GiB |", "| --- | --- | --- | --- | --- |"]
-        for name in ("full", "kvtool"):
+                  "| cache | largest batch | x | decode, tok/s | end-to-end, tok/s | x | peak, GiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        base = cap.get("full", {})
+        for name in [n for n in CAPACITY_CACHES if n in cap]:
             entry = cap.get(name, {})
+            times = lambda key: (f"{entry[key] / base[key]:.2f}x" if entry.get(key) and base.get(key) else "-")  # noqa: E731
             run = entry.get("run") or {}
             note = entry.get("note") or (entry.get("error") or "").strip().splitlines()[-1:] or [""]
             note = note if isinstance(note, str) else note[0]
             lines.append(
-                f"| {name} | {entry.get('batch', '-')} | {entry.get('decode_tok_s', float('nan')):.1f} "
-                f"| {entry.get('end_to_end_tok_s', float('nan')):.1f} | {run.get('peak_memory_bytes', float('nan')) / GIB:.1f} |"
+                f"| {name} | {entry.get('batch', '-')} | {times('batch')} | {entry.get('decode_tok_s', float('nan')):.1f} "
+                f"| {entry.get('end_to_end_tok_s', float('nan')):.1f} | {times('end_to_end_tok_s')} "
+                f"| {run.get('peak_memory_bytes', float('nan')) / GIB:.1f} |"
                 + (f" {note}" if note else "")
             )
     kern = report.get("kernels")
@@ -667,9 +741,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-prompt", type=int, default=32768)
     parser.add_argument("--capacity-new-tokens", type=int, default=1024)
     parser.add_argument("--capacity-max-batch", type=int, default=256)
+    parser.add_argument("--capacity-caches", type=lambda text: [c.strip() for c in text.split(",")],
+                        default=list(CAPACITY_CACHES), help=f"of {', '.join(CAPACITY_CACHES)}")
+    parser.add_argument("--capacity-memory-gb", type=float, default=None, help="the memory to plan against (default: the GPU's)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None, help="(f); default: on a GPU")
     parser.add_argument("--kernel-sweep", action="store_true", help="(f) also times tile choices at the first --shapes cell")
     parser.add_argument("--exactness", action=argparse.BooleanOptionalAction, default=None, help="cuda_check's checks; default: on a GPU")
+    parser.add_argument("--profile", action="store_true", help="(g) torch.profiler tables of decode steps and prompt phases at the first --shapes cell")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip whatever would start after this many seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=None)
@@ -720,6 +798,13 @@ def main(argv: list[str] | None = None) -> int:
         save()
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
+        if args.profile:
+            tokens, batch = shapes[0]
+            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(4)).to(device)
+            profile_steps(model, ids, args, method, report.setdefault("profile", {}))
+            del ids
+            release(device)
+            save()
         for tokens, batch in shapes:
             ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=generator).to(device)
             entry: dict[str, Any] = {}

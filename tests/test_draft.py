@@ -313,3 +313,13 @@ def tiny_generate_case(tiny_llama_dir):
     profile = profile_with(model, 0.3, heads="per-head", scorer="window", window=2, pool=1, eviction="tova",
                            sink_tokens=0, recent_window=1)
     return model, tokenizer, texts, profile, eos_token_ids(model, tokenizer)
+
+
+def test_the_draft_rows_positions_stay_on_the_prompts_device():
+    # A GPU run found `with_draft` mixing a CPU arange with CUDA positions; the meta device stands
+    # in for any device that is not the CPU.
+    from kvtool.runtime.steps import Prompt
+
+    ids = torch.ones(2, 5, dtype=torch.long, device="meta")
+    whole = with_draft(Prompt.of({"input_ids": ids}), torch.ones(2, 3, dtype=torch.long))
+    assert whole.position_ids.device.type == "meta" and whole.position_ids.shape == (2, 8)

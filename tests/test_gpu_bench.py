@@ -49,26 +49,26 @@ def test_smoke_run_on_cpu(bench, tmp_path, capsys):
     assert "| 64 x 2 | kvtool recipe |" in stdout
 
 
-@pytest.mark.parametrize("limit", [1, 7, 16, 256])
-def test_largest_fitting_doubles_then_bisects(bench, limit):
-    for threshold in range(0, 40):
-        calls = []
+def test_predicted_batch_extrapolates_the_peak_per_row(bench):
+    def run(batch, peak, kv):
+        return bench.RunResult(prefill_s=1, decode_s=1, batch=batch, new_tokens=8, kv_bytes=kv * batch, kv_slots=(100, 100), peak_memory_bytes=peak)
 
-        def fits(batch):
-            calls.append(batch)
-            return batch <= threshold
-
-        found, tried = bench.largest_fitting(fits, limit)
-        assert found == min(threshold, limit)
-        assert [b for b, _ in tried] == calls and len(set(calls)) == len(calls)
-        assert len(calls) <= 2 * max(1, limit).bit_length() + 1
+    # 10 GiB fixed, 2 GiB a row, KV 100 slots of 1 MiB a row growing by 100 slots: 3 GiB more a row... of 95 GiB
+    gib = bench.GIB
+    small, large = run(1, 12 * gib, 100 * 2**20), run(2, 14 * gib, 100 * 2**20)
+    memory = 100 * gib
+    per_row = 2 * gib + 100 * 2**20 * 1000 / 100
+    assert bench.predicted_batch(small, large, memory, 1000, 256) == int((0.95 * memory - 10 * gib) // per_row)
+    assert bench.predicted_batch(small, large, memory, 1000, 5) == 5  # the limit
 
 
 def test_capacity_backs_off_on_out_of_memory(bench, monkeypatch):
-    """Fake runs that run out of memory above a batch size: the search lands on it for each cache,
-    and the throughput run at that size is reported."""
+    """Fake runs that run out of memory above a batch size: probes at 1 and 2 predict a batch from the
+    memory line, a run there that runs out of memory backs off, and the batch that ran is reported
+    with its throughput."""
     model = bench.build_model("tiny", torch.device("cpu"))
-    limits = {"full": 5, "kvtool": 11}
+    limits = {"full": 5, "kvtool-no-draft": 11, "kvtool": 3}
+    gib = bench.GIB
 
     def fake(name):
         def run(model, ids, new_tokens, *profile):
@@ -77,25 +77,28 @@ def test_capacity_backs_off_on_out_of_memory(bench, monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory (fake)")
             return bench.RunResult(
                 prefill_s=0.5, decode_s=1.0, batch=batch, new_tokens=new_tokens, kv_bytes=1000 * batch,
-                kv_slots=(1,), peak_memory_bytes=2000 * batch,
+                kv_slots=(1,), peak_memory_bytes=gib * batch,
             )
         return run
 
     monkeypatch.setattr(bench, "release", lambda device: None)  # a gc.collect per probe costs seconds here
     monkeypatch.setattr(bench, "run_full", fake("full"))
-    monkeypatch.setattr(bench, "run_kvtool", fake("kvtool"))
+    monkeypatch.setattr(bench, "run_kvtool", lambda model, ids, n, profile: fake("kvtool" if profile.method.draft else "kvtool-no-draft")(model, ids, n))
     args = argparse.Namespace(
         budget_guard=bench.Budget(60), capacity_prompt=32, capacity_new_tokens=16, capacity_max_batch=64, kv_budget=0.2,
+        capacity_caches=list(bench.CAPACITY_CACHES), capacity_memory_gb=12.0,
     )
     report = bench.capacity(model, args, bench.recipe_method(), torch.device("cpu"))
-    assert report["full"]["batch"] == 5 and report["kvtool"]["batch"] == 11
+    # 1 GiB a row and 0.95 of 12 GiB: 11 predicted; full backs off 11 -> 10 -> ... -> 5.
+    assert [report[name]["predicted_batch"] for name in ("full", "kvtool-no-draft")] == [11, 11]
+    assert report["full"]["batch"] == 5 and report["kvtool-no-draft"]["batch"] == 11 and report["kvtool"]["batch"] == 3
     assert report["full"]["decode_tok_s"] == 5 * 16 / 1.0
-    assert report["kvtool"]["run"]["batch"] == 11
+    assert report["kvtool-no-draft"]["run"]["batch"] == 11
     table = bench.markdown({
         "device": "cpu", "shape": "tiny", "dtype": "float32", "torch": "x", "transformers": "x", "kv_budget": 0.2,
         "new_tokens": 8, "repeats": 1, "cells": [], "capacity": report, "skipped": [],
     })
-    assert "| full | 5 | 80.0 |" in table and "| kvtool | 11 |" in table
+    assert "| full | 5 | 1.00x | 80.0 |" in table and "| kvtool-no-draft | 11 | 2.20x |" in table
 
 
 def test_time_budget_skips_and_says_so(bench, tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtool.runtime import attach, uniform_profile
-from kvtool.runtime.importance import attention_importance, attention_with_importance, attention_with_scores
+from kvtool.runtime.importance import ScoreRequest, attention_importance, attention_with_importance, attention_with_scores
 from kvtool.runtime.importance.block_size import block_rows
 from kvtool.models.forward import with_cache
 from tiny_models import GREEDY, left_pad, prompts, tiny_llama
@@ -69,6 +69,43 @@ def test_fused_kernel_matches_brute_force_over_several_row_blocks(dtype, real):
         assert torch.all(out[b, :start] == 0) and torch.all(received[b, :start] == 0)
         # Every real query row spreads probability 1 over the keys: the column sums total the rows.
         assert received[b].sum().item() == pytest.approx(real[b], rel=1e-6)
+
+
+@pytest.mark.parametrize("real", [[600], [600, 563, 300, 40]], ids=["unpadded", "left-padded"])
+def test_rows_over_a_held_prompt_take_the_cpu_path_and_match_brute_force(real, monkeypatch):
+    """A draft's rows over a held prompt (runtime.held): the last 70 of the positions as queries,
+    the whole prompt and the rows as keys. The CPU path scores those rows alone, one sequence at a
+    time, and equals the full pass's last rows and those rows' column sums."""
+    rows = 70
+    n = max(real) + rows
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(len(real), HEADS, n, DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(len(real), KV_HEADS, n, DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(len(real), KV_HEADS, n, DIM, generator=g, dtype=torch.float64)
+    starts = [n - rows - m for m in real]
+    columns = torch.arange(n)
+    real_columns = columns[None, :] >= torch.tensor(starts)[:, None]
+    mask = (real_columns[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril())[:, :, -rows:].contiguous()
+    for b, start in enumerate(starts):
+        q[b, :, :start] = k[b, :, :start] = v[b, :, :start] = float("nan")
+    want_out, _ = reference(q, k, v, starts)
+    want_sums = torch.zeros(len(real), n, dtype=torch.float64)
+    for b, start in enumerate(starts):
+        for h in range(HEADS):
+            kv = h // (HEADS // KV_HEADS)
+            scores = q[b, h, -rows:] @ k[b, kv, start:].T * SCALE
+            scores[:, -rows:] = scores[:, -rows:].masked_fill(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
+            want_sums[b, start:] += torch.softmax(scores, dim=-1).sum(dim=0) / HEADS
+
+    from kvtool.runtime.importance import chunked
+
+    monkeypatch.setattr(chunked, "chunked_scores", lambda *a, **k: pytest.fail("took the portable path"))
+    out, scores = attention_with_scores(q[:, :, -rows:], k, v, mask, SCALE, ScoreRequest(heads=True))
+    assert out.shape == (len(real), rows, HEADS, DIM)
+    assert torch.allclose(out, want_out[:, -rows:], atol=1e-12, rtol=0)
+    assert torch.allclose(scores.importance, want_sums, atol=1e-12, rtol=0)
+    assert torch.allclose(scores.heads.mean(dim=1), want_sums, atol=1e-12, rtol=0)
+    assert scores.importance.sum().item() == pytest.approx(rows * len(real))
 
 
 def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatch):

@@ -65,7 +65,12 @@ class Verified:
         greedy = logits.argmax(dim=-1)
         if t >= self.tokens.shape[1]:
             return greedy
-        return torch.where(self.lengths.to(greedy.device) > t, self.tokens[:, t].to(greedy.device), greedy)
+        return torch.where(self.lengths > t, self.tokens[:, t], greedy)
+
+    def to(self, device: torch.device) -> "Verified":
+        """The same prefix on `device`: a step then copies nothing from the host (on a GPU each such
+        copy from pageable memory waits for the queue)."""
+        return Verified(self.tokens.to(device), self.lengths.to(device))
 
 
 def verified_prefix(draft: torch.Tensor, logits: torch.Tensor) -> Verified:
@@ -100,10 +105,12 @@ class ForcedPrefix(LogitsProcessor):
         t = input_ids.shape[1] - self.start
         if t < 0 or t >= self.prefix.tokens.shape[1]:
             return scores
-        rows = (self.prefix.lengths.to(scores.device) > t).nonzero()[:, 0]
+        if self.prefix.tokens.device != scores.device:
+            self.prefix = self.prefix.to(scores.device)
+        rows = (self.prefix.lengths > t).nonzero()[:, 0]
         if not len(rows):
             return scores
-        tokens = self.prefix.tokens[:, t].to(scores.device)[rows]
+        tokens = self.prefix.tokens[:, t][rows]
         forced = torch.full_like(scores[rows], float("-inf"))
         forced[torch.arange(len(rows), device=scores.device), tokens] = 0.0
         scores = scores.clone()
@@ -129,6 +136,8 @@ def drafted(
     """[B, tokens] greedy tokens after the prompt through `cache` (which holds the prompt); with a
     `prefix`, its verified tokens are fed first."""
     chosen: list[torch.Tensor] = []
+    if prefix is not None:
+        prefix = prefix.to(first_logits.device)
 
     def pick(t: int, logits: torch.Tensor) -> torch.Tensor:
         chosen.append(logits.argmax(dim=-1) if prefix is None else prefix.choose(t, logits))
@@ -142,8 +151,8 @@ def with_draft(prompt: Prompt, draft: torch.Tensor) -> Prompt:
     """`prompt` with `draft` [B, k] appended to every row: real tokens at the positions the rows
     continue from."""
     k = draft.shape[1]
-    steps = torch.arange(k, dtype=prompt.position_ids.dtype)
-    following = prompt.next_positions.to(prompt.position_ids.dtype) + steps  # [B, k]
+    base = prompt.next_positions.to(prompt.position_ids.dtype)
+    following = base + torch.arange(k, dtype=base.dtype, device=base.device)  # [B, k]
     if prompt.position_ids.dim() == 3:  # multimodal rope: [3, B, W], text positions on every axis
         following = following[None].expand(prompt.position_ids.shape[0], -1, -1)
     extras = dict(prompt.extras)

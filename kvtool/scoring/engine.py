@@ -129,6 +129,8 @@ def reference_continuations(
     scored = torch.zeros(rows, length, dtype=torch.bool, device=device)
     nll = torch.zeros(rows, length, dtype=torch.float64, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    if prefix is not None:
+        prefix = prefix.to(device)
 
     def choose_and_score(t: int, logits: torch.Tensor) -> torch.Tensor | None:
         nonlocal finished

@@ -13,32 +13,35 @@ from kvtool.runtime.importance.scores import NO_EXTRAS, accumulation_dtype
 
 
 def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int, first_row: int = 0):
-    """Causal attention of one unpadded sequence: [Hq, m, Dv] output, [m] importance, and the
-    [Hkv, m] per-head column sums and window sums when `request` asks for them (else None).
+    """Causal attention of one unpadded sequence of m keys: [Hq, n_q, Dv] output, [m] importance, and
+    the [Hkv, m] per-head column sums and window sums when `request` asks for them (else None).
 
+    The n_q queries are the sequence's last rows: all m of them in a prompt pass, a draft's rows
+    over a held prompt otherwise (runtime.held), whose sums then cover those rows alone.
     `rows` per block (`block_size.block_rows` gives the tuned size); `first_row` skips the blocks
     before it, which only block-size tuning does (its timing of the widest rows; the results are
     then partial)."""
-    n_heads, m, head_dim = query.shape
-    n_kv_heads = keys.shape[0]
+    n_heads, n_q, head_dim = query.shape
+    n_kv_heads, m = keys.shape[0], keys.shape[1]
+    offset = m - n_q  # sequence row of the first query
     groups = n_heads // n_kv_heads
-    q = (query * scaling).view(n_kv_heads, groups, m, head_dim)
+    q = (query * scaling).view(n_kv_heads, groups, n_q, head_dim)
     k_t = keys.transpose(1, 2)  # [Hkv, D, m]
-    out = query.new_empty(n_kv_heads, groups, m, values.shape[-1])
+    out = query.new_empty(n_kv_heads, groups, n_q, values.shape[-1])
     total = torch.zeros(m, dtype=query.dtype, device=query.device)
     heads = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.heads else None
     window = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.window else None
     first_window_row = m - min(request.window, m)
     future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
-    for r0 in range(first_row, m, rows):
+    for r0 in range(max(first_row, offset), m, rows):
         r1 = min(m, r0 + rows)
         c = r1 - r0
-        q_block = q[:, :, r0:r1].reshape(n_kv_heads, groups * c, head_dim)
+        q_block = q[:, :, r0 - offset : r1 - offset].reshape(n_kv_heads, groups * c, head_dim)
         scores = torch.bmm(q_block, k_t[:, :, :r1]).view(n_kv_heads, groups, c, r1)
         # Only the block's own diagonal square holds future positions.
         scores[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(n_kv_heads, groups * c, r1)
-        out[:, :, r0:r1] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
+        out[:, :, r0 - offset : r1 - offset] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
         if heads is None:
             total[:r1] += probs.sum(dim=(0, 1))
         else:
@@ -52,4 +55,4 @@ def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int,
     acc = accumulation_dtype(query.dtype)
     heads = None if heads is None else heads.to(acc) / groups
     window = None if window is None else window.to(acc) / groups
-    return out.view(n_heads, m, -1), total.to(acc) / n_heads, heads, window
+    return out.view(n_heads, n_q, -1), total.to(acc) / n_heads, heads, window

@@ -105,15 +105,13 @@ class Blocks:
             raise ValueError(f"fwd_m ({self.fwd_m}) must be a multiple of fwd_n ({self.fwd_n})")
 
 
-# H100 starting point for 16-bit inputs at head dim 128: the Triton tutorial's FlashAttention tiles for
-# the forward, 64 x 64 over 8 warps for the column sums. Compiled for sm_90 without a GPU (Triton 3.6,
-# the GPU image's, and 3.9; `compile_report`): the forward 255 registers, no spill under 3.6 (32 bytes
-# of stack under 3.9); the column sums 232 (3.6) and 148 (3.9) registers, no spill (4 warps spilled
-# 376-544 bytes under 3.6). Not yet timed:
-# `benchmarks/gpu_bench.py --kernel-sweep` times alternatives on a GPU. float32 (IEEE products, no
-# tensor cores) gets smaller tiles: it is for exactness, not speed. Small tiles in the interpreter
-# keep the CPU tests fast and cover several blocks per row.
-GPU_BLOCKS = Blocks()
+# 16-bit inputs at head dim 128: the tiles `benchmarks/gpu_bench.py --kernel-sweep` timed fastest on an
+# H100 (Triton 3.6; docs/results/bench-gpu-h100-llama3-8b-sweep.json): 64 x 64 over 4 warps for both
+# kernels, 0.80x the time of the Triton tutorial's 128 x 64 / 8 forward with 64 x 64 / 8 column sums.
+# (4-warp column sums spilled registers when compiled without a GPU, but timed fastest on one.)
+# float32 (IEEE products, no tensor cores) gets smaller tiles: it is for exactness, not speed. Small
+# tiles in the interpreter keep the CPU tests fast and cover several blocks per row.
+GPU_BLOCKS = Blocks(fwd_m=64, fwd_n=64, fwd_warps=4, sum_m=64, sum_n=64, sum_warps=4)
 FP32_BLOCKS = Blocks(fwd_m=64, fwd_n=32, fwd_warps=4, sum_m=32, sum_n=64, sum_warps=4, stages=2)
 INTERPRETER_BLOCKS = Blocks(fwd_m=32, fwd_n=16, fwd_warps=4, sum_m=16, sum_n=32, sum_warps=4, stages=1)
 
