@@ -45,7 +45,8 @@ def test_smoke_run_on_cpu(bench, tmp_path, capsys):
     assert cells["kvtool, no draft"]["kv_bytes"]["median"] < full_kv
     assert cells["ceiling"]["kv_bytes"]["median"] < full_kv
     assert report["skipped"] == [] and "capacity" not in report
-    assert "| 64 x 2 | full (sdpa default) (baseline) |" in stdout
+    assert set(shape["baselines"].values()) == {"full (sdpa default)"}
+    assert "| 64 x 2 | full (sdpa default) (baseline: decode, end to end, prompt) |" in stdout
     assert "| 64 x 2 | kvtool recipe |" in stdout
 
 
