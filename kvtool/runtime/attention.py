@@ -105,21 +105,18 @@ def _attend(
 
 def _attend_held(layer: HeldLayer, module, query, key, value, attention_mask, dropout, scaling, kwargs):
     """New rows over a held prompt (held.py): the output, and the probabilities the rows give every
-    column summed per KV head (k rows against n columns: a small part of a prompt pass), from one
-    pass over the probabilities (sdpa beside it would compute them twice)."""
-    if not _plain_softmax_attention(dropout, kwargs):
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        value = None
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    column summed per KV head (k rows against n columns: a small part of a prompt pass)."""
     request = ScoreRequest(heads=True)
-    if value is None:
-        _, layer.scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.CHUNK_ELEMENTS, request)
-        return out
-    # The CPU path takes the rows' blocks one sequence at a time (4x faster than the portable chunks
-    # at 64 rows over 4096 columns); elsewhere the portable path.
-    output, layer.scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
-    return output, None
+    if _plain_softmax_attention(dropout, kwargs):
+        # One pass gives both, as in a prompt pass; on the CPU, one sequence at a time (cpu_path),
+        # several times faster than the portable chunks (docs/results.md, speed on the CPU).
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        output, layer.scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
+        return output, None
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    _, layer.scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.CHUNK_ELEMENTS, request)
+    return out
 
 
 def _cache_layer(module: torch.nn.Module, cache):
