@@ -134,7 +134,7 @@ def compresses(row: Row) -> str:
         return "prompt only"
     if row.draft:
         rounds = f", {row.draft_rounds} rounds" if row.draft_rounds > 1 else ""
-        return f"prompt + generation (budget held; prompt scored again with a {row.draft}-token draft{rounds})"
+        return f"prompt + generation (budget held; prompt compressed with the attention of a {row.draft}-token draft{rounds})"
     return "prompt + generation (budget held)"
 
 

@@ -327,7 +327,7 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
     assert code == 0, err
     assert read_profile(out).method.draft == Draft(6, 3, verify=True)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "prompt scored again with a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
+    assert code == 0 and "prompt compressed with the attention of a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
     overhead = read_profile(out).calibration.prompt_overhead
     text = " ".join(shown.split())
     assert overhead > 0 and f"{overhead:.2f}x the full cache's" in text and "(no limit)" in text

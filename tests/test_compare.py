@@ -132,4 +132,4 @@ def test_draft_rows_say_so(compare, tmp_path, capsys):
     doc["results"][0].update(kv_peak_fraction=0.21, draft=24)
     compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
     out = capsys.readouterr().out
-    assert "| kvtool | prompt + generation (budget held; prompt scored again with a 24-token draft) | 1.700 |" in out
+    assert "| kvtool | prompt + generation (budget held; prompt compressed with the attention of a 24-token draft) | 1.700 |" in out

@@ -253,13 +253,13 @@ def test_draft_profile_through_the_cli(tiny_llama_dir, tmp_path):
     base = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
     path = save_profile(dataclasses.replace(base, method=dataclasses.replace(base.method, draft=Draft(3))), tmp_path / "draft.yaml")
     shown = generate_json(tiny_llama_dir, "--profile", str(path))
-    assert "prompt scored again with a 3-token draft" in shown["cache"] and "rounds" not in shown["cache"]
+    assert "prompt compressed with the attention of a 3-token draft" in shown["cache"] and "rounds" not in shown["cache"]
     assert shown["kv_bytes"] < 0.6 * shown["kv_bytes_full"]
     method = dataclasses.replace(base.method, draft=Draft(3, rounds=2))
     path = save_profile(dataclasses.replace(base, method=method), tmp_path / "rounds.yaml")
     assert "draft: {tokens: 3, rounds: 2, verify: false}" in path.read_text()
     shown = generate_json(tiny_llama_dir, "--profile", str(path))
-    assert "prompt scored again with a 3-token draft (2 rounds)" in shown["cache"]
+    assert "prompt compressed with the attention of a 3-token draft (2 rounds)" in shown["cache"]
 
 
 @pytest.mark.parametrize("draft", [Draft(4, rounds=2, verify=True), Draft(5), None], ids=["verified", "one-round", "none"])

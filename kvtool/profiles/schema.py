@@ -131,13 +131,13 @@ class MethodSettings:
 
 
 def draft_phrase(draft: Draft | None) -> str:
-    """How a recipe's draft reads in reports: "prompt scored again with a 64-token draft (2 rounds, verified)"; "" without."""
+    """How a recipe's draft reads in reports: "prompt compressed with the attention of a 64-token draft (2 rounds, verified)"; "" without."""
     if draft is None:
         return ""
     notes = [f"{draft.rounds} rounds"] if draft.rounds > 1 else []
     notes += ["verified"] if draft.verify else []
     rounds = f" ({', '.join(notes)})" if notes else ""
-    return f"prompt scored again with a {draft.tokens}-token draft{rounds}"
+    return f"prompt compressed with the attention of a {draft.tokens}-token draft{rounds}"
 
 
 @dataclass(frozen=True)
