@@ -87,7 +87,34 @@ def exactness(device: torch.device, shipped) -> dict:
                 )
             results[f"{name}: padded batch == single runs"] = same
             results[f"{name}: each layer within its share after {NEW} tokens"] = bool(holds)
+            results[f"{name}: CUDA-graph decode == eager decode"] = graph_decode_matches(model, profile, padded(seqs, device))
     return results
+
+
+def graph_decode_matches(model, profile, inputs: dict[str, torch.Tensor], steps: int = NEW) -> bool:
+    """Greedy steps of a left-padded batch replayed as a CUDA graph (fixed slots; on a CPU, fixed
+    slots run eagerly) give the eager steps' tokens, and logits within float64 rounding."""
+    from kvtool.runtime.graphed import Decoder
+    from kvtool.runtime.steps import Prompt, prompt_forward
+
+    prompt = Prompt.of(inputs)
+    mode = "graph" if model.device.type == "cuda" else "fixed"
+    runs = []
+    for how in ("eager", mode):
+        with torch.inference_mode(), attach(model, profile) as handle:
+            cache = handle.bare_cache()
+            logits = prompt_forward(model, prompt, cache)
+            decoder = Decoder(model, cache, steps, how)
+            tokens, seen = [], []
+            for step in range(steps):
+                token = logits.argmax(-1, keepdim=True)
+                tokens.append(token)
+                logits = decoder(token, prompt.next_positions.to(model.device) + step).clone()
+                seen.append(logits)
+            decoder.close()
+            runs.append((torch.cat(tokens, dim=1), torch.stack(seen)))
+    (eager_tokens, eager_logits), (tokens, logits) = runs
+    return bool(torch.equal(eager_tokens, tokens)) and bool(torch.allclose(eager_logits, logits, rtol=1e-9, atol=1e-9))
 
 
 def host_waits(model, profile, ids: torch.Tensor, steps: int = 4) -> dict:

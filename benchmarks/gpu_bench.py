@@ -588,6 +588,7 @@ def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any]
         context = attach(model, prof_profile) if prof_profile is not None else contextlib.nullcontext(None)
         with _recorded(report, f"decode: {name}"), context as handle:
             state = measure.prompt_phase(model, ids, make or handle.bare_cache)
+            state.planned = steps + 2
             measure.decode_steps(model, state, 2)
             _sync_device(device)
             started = time.perf_counter()

@@ -26,11 +26,11 @@ import torch
 from kvtool.bench.config import WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchConfig
 from kvtool.bench.peak import peak_memory_method, release_memory, track_peak
 from kvtool.errors import KvtoolError
-from kvtool.models.forward import with_cache
 from kvtool.profiles import Draft, Profile
 from kvtool.runtime import attach
 from kvtool.runtime.attach import layer_plans
 from kvtool.runtime.draft import prepare
+from kvtool.runtime.graphed import Decoder
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
@@ -234,6 +234,10 @@ class DecodeState:
     token: torch.Tensor  # [B, 1]
     prompt_tokens: int
     steps: int = 0
+    # Decode steps planned in all (a decoder with fixed slots makes room for them once); None: as
+    # many as the first `decode_steps` call asks for.
+    planned: int | None = None
+    decoder: Decoder | None = None
 
 
 def prompt_phase(
@@ -252,15 +256,15 @@ def prompt_phase(
 
 
 def decode_steps(model: Any, state: DecodeState, steps: int) -> None:
-    """`steps` greedy one-token forwards continuing `state` (a plain loop: nothing but the model and the cache)."""
+    """`steps` greedy one-token forwards continuing `state` (a plain loop: nothing but the model and
+    the cache). A kvtool cache on a GPU decodes as a CUDA graph (`kvtool.runtime.graphed`); its
+    capture is part of the decode time."""
     bsz = state.token.shape[0]
+    if state.decoder is None:
+        state.decoder = Decoder(model, state.cache, state.planned or steps)
     for _ in range(steps):
         position = torch.full((bsz, 1), state.prompt_tokens + state.steps, device=state.token.device)
-        out = model(
-            input_ids=state.token, position_ids=position, use_cache=True, logits_to_keep=1,
-            **with_cache(model, state.cache),
-        )
-        state.token = out.logits[:, -1].argmax(-1, keepdim=True)
+        state.token = state.decoder(state.token, position).argmax(-1, keepdim=True)
         state.steps += 1
 
 
@@ -314,6 +318,7 @@ def run_bench(
             else:
                 after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None
                 states[name] = prompt_phase(model, ids, plain_cache, after)
+            states[name].planned = config.new_tokens
         tok_s: dict[str, list[float]] = {name: [] for name in CACHES}
         turn = 0
         while states[FULL].steps < config.new_tokens:

@@ -82,6 +82,26 @@ class KvtoolCache(DynamicCache):
         for layer, prompt, extra in zip(self.layers, held, rows, strict=True):
             layer.compress_held(prompt, with_rows(prompt.scores, extra))
 
+    def fix_slots(self, steps: int) -> None:
+        """Every layer makes room for `steps` more tokens and keeps its counters on the device: a
+        decode step then has one static shape and reads nothing back to the host, so a CUDA graph
+        can replay it (layer/fixed.py, runtime.graphed). Until `release_slots`, steps feed one real
+        token per row (no padding) and the rows keep their order."""
+        self._need_every_layer("fixed slots")
+        if self.awaiting_prompt:
+            raise KvtoolError("fixed slots need the prompt forward first")
+        for layer in self.layers:
+            layer.fix_slots(steps)
+
+    def release_slots(self) -> None:
+        """Back to eager steps: the layers read their counters back from the device."""
+        for layer in self.compressing_layers().values():
+            layer.release_slots()
+
+    @property
+    def slots_fixed(self) -> bool:
+        return any(layer.fixed is not None for layer in self.compressing_layers().values())
+
     def _need_every_layer(self, what: str) -> None:
         plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
         if plain:

@@ -18,7 +18,9 @@ from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
 
 class EntryView(NamedTuple):
     """What a rule may read of one layer's entries when it names a victim: the layer's own tensors
-    (not copies, so a rule must not write them) and numbers, over its physical slots S.
+    (not copies, so a rule must not write them) and numbers, over its physical slots S. With fixed
+    slots (layer/fixed.py) `seen` and `share` are device tensors, and a rule must not read them on
+    the host: the step is replayed as a CUDA graph.
 
     Shared layers hold one set of entries for every KV head: `order`, `frozen`, `score` and
     `attention` are [B, S]. Per-head layers hold different entries in each KV head: those are
@@ -28,8 +30,9 @@ class EntryView(NamedTuple):
     valid: torch.Tensor  # [B, S] the slot holds an entry
     order: torch.Tensor  # the logical column (position) of each slot's entry
     frozen: torch.Tensor  # the slot is in the compressed prompt's frozen prefix (`frozen_count`)
-    seen: int  # logical columns so far, padding included: the newest token's column is seen - 1
-    share: np.ndarray  # [B] entries each row may hold now (rows over it drop their victim)
+    # Logical columns so far, padding included: the newest token's column is seen - 1.
+    seen: int | torch.Tensor
+    share: np.ndarray | torch.Tensor  # [B] entries each row may hold now (rows over it drop their victim)
     # Each entry's accumulated attention (rules with `needs_scores`; None otherwise).
     score: torch.Tensor | None = None
     # The attention the newest token gave each slot (rules with `needs_attention`; None otherwise). It

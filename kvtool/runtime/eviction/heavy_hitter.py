@@ -19,7 +19,9 @@ class HeavyHitter(EvictRule):
         # are the columns from `seen - share // 2` on.
         order = entries.order
         newest = entries.seen - entries.share // 2
-        if (newest == newest[0]).all():
+        if isinstance(newest, torch.Tensor):  # fixed slots: the counters are on the device
+            old = order < newest.view(-1, *([1] * (order.dim() - 1)))
+        elif (newest == newest[0]).all():
             old = order < int(newest[0])  # a scalar bound: no index tensor to build
         else:
             newest = torch.as_tensor(newest, device=order.device)

@@ -5,6 +5,7 @@
     prompt       prompt compression: rank, select (shared or per KV head), merge, freeze
     slots        slot storage: placing a new token, growing the buffer, what attention reads
     evict        decode-time eviction: the new token's attention and the rule's victim
+    fixed        fixed slots: a decode step of one static shape, for CUDA graphs
     images       image tokens of vision-language prompts
     stacking     several layers' rows as one (calibration's side-by-side recipes)
 

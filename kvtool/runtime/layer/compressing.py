@@ -19,7 +19,8 @@ say how selection and eviction keep that layout).
 
 The layer is one class made of parts of one purpose each (this package's modules): prompt
 compression (prompt.py), slot storage and placement (slots.py), decode-time eviction (evict.py),
-image tokens (images.py) and stacking rows of several layers (stacking.py). Its state is declared
+the fixed-slot step a CUDA graph replays (fixed.py), image tokens (images.py) and stacking rows of
+several layers (stacking.py). Its state is declared
 in one place, `_clear` below; this module holds it and transformers' cache-layer interface.
 """
 
@@ -32,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 from kvtool.errors import KvtoolError
 from kvtool.runtime.importance import PromptScores
 from kvtool.runtime.layer.evict import DecodeEviction
+from kvtool.runtime.layer.fixed import FixedSlots
 from kvtool.runtime.layer.images import ImageEntries
 from kvtool.runtime.layer.plan import LayerPlan
 from kvtool.runtime.layer.prompt import PromptCompression
@@ -39,7 +41,7 @@ from kvtool.runtime.layer.slots import SlotPlacement
 from kvtool.runtime.layer.stacking import RowStacking
 
 
-class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEviction, RowStacking, DynamicLayer):
+class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEviction, FixedSlots, RowStacking, DynamicLayer):
     """One full-attention decoder layer's cache under a `LayerPlan`: the whole prompt goes in, each
     row keeps its share of it, and every new token then places one entry and evicts as the plan's
     rule says. The attention function (attention.py) drives it: `compress_prompt` after the prompt
@@ -92,6 +94,8 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         self._draft = 0
         self._hold = False  # keep the whole prompt aside when it is compressed (`hold_prompt`)
         self.held = None  # that prompt (a HeldPrompt) until the cache hands it on
+        # The device counters while the slots are fixed (`fix_slots`, fixed.py); None: eager steps.
+        self.fixed = None
 
     # ----- transformers' cache-layer interface -------------------------------------------------
 
@@ -115,7 +119,10 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
                     "kvtool compresses the whole prompt in one forward; later forwards must feed one token at a time "
                     "(chunked prefill and multi-token continuation are not supported)"
                 )
-            self._place(key_states, value_states)
+            if self.fixed is not None:
+                self._place_fixed(key_states, value_states)
+            else:
+                self._place(key_states, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -144,6 +151,8 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
             self._map_batch(lambda t: t.index_select(0, idx), indices.cpu().numpy())
 
     def _map_batch(self, fn, host_index: np.ndarray) -> None:
+        if self.fixed is not None:
+            raise KvtoolError("a cache with fixed slots cannot reorder its rows (release_slots() first)")
         for name in ("keys", "values", "valid", "order", "frozen", "score", "image", "attention", "_prompt_rank", "prompt_image"):
             tensor = getattr(self, name)
             if tensor is not None:

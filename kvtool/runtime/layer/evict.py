@@ -51,6 +51,9 @@ class DecodeEviction:
     def evict_over_budget(self) -> None:
         """Where kept > ceil(R * T) (and the floor), drop the one entry the plan's eviction rule names (never for
         prompt-only rules, under which the cache grows by one entry per new token)."""
+        if self.fixed is not None:
+            self._evict_fixed()
+            return
         if not self.plan.evict.holds_budget:
             return
         self.share = self._share_now()  # the rule reads it too

@@ -73,8 +73,8 @@ class SlotPlacement:
         """Un-place the new token of every sequence where the forward's mask (`given`, [B, 1, 1, T])
         marks it as padding: its slot goes back to free and the counts drop by one. generate never
         feeds padding after the prompt, but a bare forward on a padded batch may."""
-        if given is None:
-            return
+        if given is None or self.fixed is not None:
+            return  # fixed slots (fixed.py) are fed real tokens only: reading the mask would wait for the GPU
         real = real_new_tokens(given)
         if real is None:
             return
@@ -94,6 +94,8 @@ class SlotPlacement:
         row holds that many: on the CPU masking the spare slots cost as much as a tenth of the attention.
         Other layers: the whole buffer, masked by validity. Scores the attention returns are as wide
         as the view."""
+        if self.fixed is not None:
+            return self.keys, self.values, self.slot_mask()  # every slot, the same shape each step
         if self.packed:
             width = int(self.kept.max())
             if width > 0:

@@ -1,0 +1,144 @@
+"""Fixed slots: a compressed layer's decode step as one static shape, for CUDA graphs.
+
+An eager decode step (slots.py, evict.py) keeps the counters on the host: the new token's slot and
+the row's last entry are known there, so a step writes plain slices and attends to exactly the
+slots in use. Every step then differs in its shapes and in numbers taken from the host. On a GPU
+that keeps decoding launch-bound (about 22 µs of host time per kernel, 21 more kernels per layer
+than a plain cache: docs/results.md), and a CUDA graph, which replays the kernels of one step with
+the arguments they had when it was captured, cannot be used.
+
+`fix_slots(steps)` gives the layer buffers that hold every entry the next `steps` tokens can need
+(its share after them, plus the token placed before one is evicted) and moves the counters to the
+device. A step then runs the same kernels on the same buffers every time:
+- place: the new token goes to slot `kept` (a device index), or to the first free slot in a layer
+  that kept its whole padded prompt (not packed, never over its share);
+- attend: over every slot, masked by validity (free slots get exactly zero probability);
+- evict, branch-free: every row asks the rule for a victim; a row within its share "moves" its last
+  entry onto itself, so only rows over their share lose anything, as in the eager step.
+Nothing is read back to the host and no state tensor is replaced, so the step can be captured once
+and replayed (runtime.graphed). While slots are fixed the host counters stand still;
+`release_slots()` reads the device's back and the layer decodes eagerly again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.eviction import EntryView
+
+
+@dataclass(frozen=True)
+class FixedCounters:
+    """The counters of a layer with fixed slots, on its device (updated in place by each step)."""
+
+    kept: torch.Tensor  # [B] long: valid slots per row (its entries fill slots 0..kept-1 when packed)
+    tokens: torch.Tensor  # [B] long: real tokens seen per row (T)
+    seen: torch.Tensor  # [] long: logical columns, padding included
+    share: torch.Tensor  # [counts, B] long: the plan's share of each row for every token count
+    rows: torch.Tensor  # [B] long: arange(B), the share table's row index
+
+
+class FixedSlots:
+    """CompressingLayer's fixed-slot decode step (state declared in `CompressingLayer._clear`: `fixed`)."""
+
+    def fix_slots(self, steps: int) -> None:
+        """Make room for `steps` more tokens and keep the counters on the device (see the module)."""
+        if not self.compressed:
+            raise KvtoolError("internal: fixed slots need a compressed layer (run the prompt first)")
+        if self.fixed is not None:
+            raise KvtoolError("internal: the layer's slots are fixed already")
+        if steps < 1:
+            raise KvtoolError("internal: fixed slots need at least one step")
+        last = self.tokens + steps
+        if self.plan.evict.holds_budget and self.packed:
+            # The share never falls as T grows: at most the last step's share, plus the token placed
+            # before the eviction.
+            needed = max(int(self.kept.max()), int(np.max(self.plan.keep(last)))) + 1
+        else:
+            needed = int(self.kept.max()) + steps
+            if not self.packed:
+                needed = self.keys.shape[2] + steps  # the first free slot may lie past the valid ones
+        if needed > self.keys.shape[2]:
+            self._grow(needed - self.keys.shape[2])
+        counts = int(last.max()) + 1
+        table = np.asarray(self.plan.keep(np.broadcast_to(np.arange(counts)[:, None], (counts, len(self.tokens)))))
+        device = self.keys.device
+        self.fixed = FixedCounters(
+            kept=torch.as_tensor(self.kept, device=device).clone(),
+            tokens=torch.as_tensor(self.tokens, device=device).clone(),
+            seen=torch.tensor(self.seen, device=device),
+            share=torch.as_tensor(np.ascontiguousarray(table, dtype=np.int64), device=device),
+            rows=torch.arange(len(self.tokens), device=device),
+        )
+        self._placed, self._new_slot = None, None
+
+    def release_slots(self) -> None:
+        """Read the device's counters back: the layer decodes eagerly again (its buffer keeps its size)."""
+        fixed = self.fixed
+        if fixed is None:
+            return
+        self.kept = fixed.kept.cpu().numpy().copy()
+        self.tokens = fixed.tokens.cpu().numpy().copy()
+        self.seen = int(fixed.seen)
+        self.fixed = None
+        self._share_table = None
+
+    def _place_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        fixed = self.fixed
+        if self.packed:
+            slot = fixed.kept.clone()  # the clone: `kept` changes below, the slot must not
+        else:
+            slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
+        bsz, heads, _, dim = self.keys.shape
+        at = slot.view(bsz, 1, 1, 1).expand(bsz, heads, 1, dim)
+        self.keys.scatter_(2, at, key_states)
+        self.values.scatter_(2, at, value_states)
+        self.valid.scatter_(1, slot[:, None], True)
+        for tensor, value in ((self.frozen, False), (self.image, False), (self.score, 0.0)):
+            if tensor is not None:
+                _write(tensor, slot, value)
+        _write(self.order, slot, fixed.seen)
+        fixed.seen.add_(1)
+        fixed.tokens.add_(1)
+        fixed.kept.add_(1)
+
+    def _evict_fixed(self) -> None:
+        fixed = self.fixed
+        if not (self.plan.evict.holds_budget and self.packed):
+            return  # prompt-only rules never evict; a layer that kept its whole prompt is never over
+        share = fixed.share[fixed.tokens, fixed.rows]
+        view = EntryView(self.valid, self.order, self.frozen, fixed.seen, share, self.score, self.attention)
+        victim = self.plan.evict.victim(view)
+        over = fixed.kept > share
+        last = fixed.kept - 1
+        if victim.dim() == 2:
+            target = torch.where(over[:, None], victim, last[:, None])
+        else:
+            target = torch.where(over, victim, last)
+        bsz, heads, _, dim = self.keys.shape
+        at = target[:, :, None] if target.dim() == 2 else target[:, None, None].expand(bsz, heads, 1)
+        source = last[:, None, None].expand(bsz, heads, 1)
+        for name, tensor in self._entry_tensors():
+            if tensor.dim() == 4:  # keys, values
+                to, src = at[..., None].expand(bsz, heads, 1, dim), source[..., None].expand(bsz, heads, 1, dim)
+                axis = 2
+            elif tensor.dim() == 3:
+                to, src, axis = at, source, 2
+            else:
+                to, src, axis = target[:, None], last[:, None], 1  # shared layers' [B, S] state, [B] victim
+            tensor.scatter_(axis, to, tensor.gather(axis, src))
+        self.valid.scatter_(1, last[:, None], ~over[:, None])
+        fixed.kept.sub_(over.long())
+
+
+def _write(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
+    """tensor[b, ..., slot[b]] = value ([B, S] or [B, Hkv, S] state); `value` a number or a 0-d tensor."""
+    index = slot[:, None] if tensor.dim() == 2 else slot[:, None, None].expand(-1, tensor.shape[1], 1)
+    if isinstance(value, torch.Tensor):
+        tensor.scatter_(tensor.dim() - 1, index, value.to(tensor.dtype).expand(index.shape))
+    else:
+        tensor.scatter_(tensor.dim() - 1, index, value)
