@@ -150,10 +150,12 @@ def run_ceiling(model, ids: torch.Tensor, new_tokens: int, profile) -> RunResult
     return run_once(model, ids, new_tokens, lambda: DynamicCache(config=model.config), lambda cache: truncate_like(cache, plans))
 
 
-def run_kvtool(model, ids: torch.Tensor, new_tokens: int, profile) -> RunResult:
-    """`run_bench`'s kvtool run: the bare cache, the profile's draft capped at the answer's length."""
+def run_kvtool(model, ids: torch.Tensor, new_tokens: int, profile, rows_at_once: int | None = None) -> RunResult:
+    """`run_bench`'s kvtool run: the bare cache, the profile's draft capped at the answer's length
+    (`rows_at_once`: the prompt phase that many rows at a time, `kvtool.runtime.row_groups`)."""
     with attach(model, profile) as handle:
-        return run_once(model, ids, new_tokens, handle.bare_cache, draft=measure.capped(profile.method.draft, new_tokens))
+        draft = measure.capped(profile.method.draft, new_tokens)
+        return run_once(model, ids, new_tokens, handle.bare_cache, draft=draft, rows_at_once=rows_at_once)
 
 
 # ----- cells -----
@@ -336,8 +338,11 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
                 return run(model, prompt, new_tokens, profile)
         return cell
 
+    others = {CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe)}
+    if not args.ceiling:
+        del others[CEILING]
     rest = measure_cells(
-        {CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe)},
+        others,
         ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,
     )
     live.clear()
@@ -349,7 +354,12 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
 # ----- (e) capacity -----
 
 
-CAPACITY_CACHES = {"full": "the full cache", "kvtool-no-draft": "kvtool without its draft", "kvtool": "kvtool's recipe"}
+CAPACITY_CACHES = {
+    "full": "the full cache",
+    "kvtool-no-draft": "kvtool without its draft",
+    "kvtool-no-draft-by-row": "kvtool without its draft, the prompt phase --capacity-rows rows at a time",
+    "kvtool": "kvtool's recipe",
+}
 MEMORY_HEADROOM = 0.95  # the share of the device's memory a predicted batch may plan to use
 
 
@@ -383,6 +393,7 @@ def capacity(
     runners = {
         "full": lambda ids, n: run_full(model, ids, n),
         "kvtool-no-draft": lambda ids, n: run_kvtool(model, ids, n, no_draft),
+        "kvtool-no-draft-by-row": lambda ids, n: run_kvtool(model, ids, n, no_draft, args.capacity_rows),
         "kvtool": lambda ids, n: run_kvtool(model, ids, n, recipe),
     }
     generator = torch.Generator().manual_seed(2)
@@ -654,6 +665,51 @@ def cuda_exactness(device: torch.device) -> dict[str, Any]:
         return {"error": traceback.format_exc(limit=6), "passed": False, "seconds": time.perf_counter() - started}
 
 
+# ----- (h) decode attention alone -----
+
+
+def decode_attention_check(model, shapes: list[tuple[int, int]], budget: float, device: torch.device) -> dict[str, Any]:
+    """One layer's decode attention with scores (`decode_attention_with_scores`) over a kvtool layer's
+    slots at each shape (budget * prompt tokens, whole chunks): the path the model's dtype takes on
+    this device against the float32 copies it replaced, timed, and both against float64."""
+    from kvtool.runtime.importance import decode as decode_module
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    report: dict[str, Any] = {"mixed_bmm": decode_module._HAS_MIXED_BMM, "shapes": {}}
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    for tokens, batch in shapes:
+        slots = -(-int(budget * tokens) // decode_module.SLOT_CHUNK) * decode_module.SLOT_CHUNK
+        q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device, dtype)
+        k = torch.randn(batch, kv_heads, slots, head_dim, generator=generator).to(device, dtype)
+        v = torch.randn(batch, kv_heads, slots, head_dim, generator=generator).to(device, dtype)
+        mask = (torch.rand(batch, 1, 1, slots, generator=generator) > 0.05).to(device)
+        scale = head_dim ** -0.5
+        ref_out, ref_probs = decode_module.decode_attention_with_scores(q.double(), k.double(), v.double(), mask, scale, per_head=True)
+        entry: dict[str, Any] = {"slots": slots}
+
+        def run():
+            return decode_module.decode_attention_with_scores(q, k, v, mask, scale, per_head=True)
+
+        for name, mixed in (("model dtype (mixed products, chunked values)", None), ("float32 copies", False)):
+            saved = decode_module._mixed
+            if mixed is False:
+                decode_module._mixed = lambda tensor, acc: False
+            try:
+                out, probs = run()
+                entry[name] = {
+                    "ms": device_time(run, device, repeats=20) * 1e3,
+                    "output_max_abs": float((out.double() - ref_out).abs().max()),
+                    "probs_max_abs": float((probs.double() - ref_probs).abs().max()),
+                }
+            finally:
+                decode_module._mixed = saved
+        report["shapes"][f"{tokens}x{batch}"] = entry
+    return report
+
+
 # ----- report -----
 
 
@@ -714,6 +770,15 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {run.get('peak_memory_bytes', float('nan')) / GIB:.1f} |"
                 + (f" {note}" if note else "")
             )
+    dec = report.get("decode_attention")
+    if dec and dec.get("shapes"):
+        lines += ["", f"Decode attention with scores alone, one layer (median of 20, CUDA events; mixed bmm available: "
+                  f"{dec.get('mixed_bmm')}), against float64:", "",
+                  "| prompt x batch | slots | path | ms | output max abs | probabilities max abs |", "| --- | --- | --- | --- | --- | --- |"]
+        for key, cell in dec["shapes"].items():
+            for name, entry in cell.items():
+                if isinstance(entry, dict):
+                    lines.append(f"| {key} | {cell['slots']} | {name} | {entry['ms']:.3f} | {entry['output_max_abs']:.2e} | {entry['probs_max_abs']:.2e} |")
     kern = report.get("kernels")
     if kern and kern.get("one_layer_s"):
         ex = kern.get("exactness", {})
@@ -764,6 +829,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-max-batch", type=int, default=256)
     parser.add_argument("--capacity-caches", type=lambda text: [c.strip() for c in text.split(",")],
                         default=list(CAPACITY_CACHES), help=f"of {', '.join(CAPACITY_CACHES)}")
+    parser.add_argument("--capacity-rows", type=int, default=1, help="rows at a time in kvtool-no-draft-by-row's prompt phase")
+    parser.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True, help="the truncated-cache cells")
+    parser.add_argument("--decode-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="(h) one layer's decode attention with scores, timed and against float64; default: on a GPU")
     parser.add_argument("--capacity-memory-gb", type=float, default=None, help="the memory to plan against (default: the GPU's)")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None, help="(f); default: on a GPU")
     parser.add_argument("--kernel-sweep", action="store_true", help="(f) also times tile choices at the first --shapes cell")
@@ -816,6 +885,13 @@ def main(argv: list[str] | None = None) -> int:
             report["kernels"] = kernel_check(model, shapes, device, sweep=args.kernel_sweep)
         except Exception:  # noqa: BLE001
             report["kernels"] = {"error": traceback.format_exc(limit=4)}
+        save()
+    if args.decode_attention if args.decode_attention is not None else on_gpu:
+        try:
+            report["decode_attention"] = decode_attention_check(model, shapes, args.kv_budget, device)
+        except Exception:  # noqa: BLE001
+            report["decode_attention"] = {"error": traceback.format_exc(limit=4)}
+        log(f"decode attention: {json.dumps(report['decode_attention'])[:400]}")
         save()
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():

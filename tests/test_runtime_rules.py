@@ -201,6 +201,31 @@ def test_decode_scores_per_head_match_brute_force():
     assert torch.allclose(per_head.mean(dim=1), shared, atol=1e-14)
 
 
+@pytest.mark.parametrize("slots", [9, 640, 700], ids=["short", "chunked", "not a whole number of chunks"])
+def test_the_gpu_decode_path_matches_the_float32_one(monkeypatch, slots: int):
+    """The path a half-precision model takes on a GPU (products straight into float32, the values'
+    product in chunks of slots), run here on float32 inputs through its CPU stand-in: the same
+    attention and probabilities as the float32 path, up to summation order."""
+    from kvtool.runtime.importance import decode as decode_module
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, HEADS, 1, DIM, generator=g)
+    k = torch.randn(2, KV_HEADS, slots, DIM, generator=g)
+    v = torch.randn(2, KV_HEADS, slots, DIM, generator=g)
+    mask = torch.rand(2, 1, 1, slots, generator=g) > 0.3
+    want = decode_attention_with_scores(q, k, v, mask, SCALE, per_head=True)
+    taken = []
+    monkeypatch.setattr(decode_module, "_mixed", lambda tensor, acc: taken.append(tensor.shape) or True)
+    chunked = []
+    real = decode_module._bmm
+    monkeypatch.setattr(decode_module, "_bmm", lambda a, b, acc: chunked.append(a.shape) or real(a, b, acc))
+    got = decode_attention_with_scores(q, k, v, mask, SCALE, per_head=True)
+    assert len(taken) == 2  # both products took the GPU path
+    assert (chunked[1][2] == slots // decode_module.SLOT_CHUNK) == (slots == 640)  # chunked only when whole
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ----- rule units -----------------------------------------------------------------------------
 
 

@@ -29,11 +29,11 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft, Profile
 from kvtool.runtime import attach
 from kvtool.runtime.attach import layer_plans
-from kvtool.runtime.draft import prepare
 from kvtool.runtime.graphed import Decoder
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
+from kvtool.runtime.row_groups import prepare_rows
 from kvtool.runtime.steps import Prompt
 
 # The three caches, in the order each round runs them (keys of the JSON report).
@@ -200,18 +200,20 @@ def run_once(
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
     draft: Draft | None = None,
+    rows_at_once: int | None = None,
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
     `draft`, the prompt phase also drafts and compresses the prompt again: every pass counts as
-    the prompt phase."""
+    the prompt phase. `rows_at_once`: the prompt phase that many rows at a time (`runtime.row_groups`)."""
     device = ids.device
     release_memory(device)
     with track_peak(device) as peak:
         _sync(device)
         t0 = time.perf_counter()
-        state = prompt_phase(model, ids, make_cache, after_prefill, draft)
+        state = prompt_phase(model, ids, make_cache, after_prefill, draft, rows_at_once)
         _sync(device)
         t1 = time.perf_counter()
+        state.planned = new_tokens
         decode_steps(model, state, new_tokens)
         _sync(device)
         t2 = time.perf_counter()
@@ -246,10 +248,11 @@ def prompt_phase(
     make_cache: Callable[[], Any],
     after_prefill: Callable[[Any], None] | None = None,
     draft: Draft | None = None,
+    rows_at_once: int | None = None,
 ) -> DecodeState:
     """The prompt forward of `run_once` (and with a `draft` its rounds, `kvtool.runtime.draft.prepare`):
     the cache and the first new token."""
-    ready = prepare(model, Prompt.of({"input_ids": ids}), make_cache, draft)
+    ready = prepare_rows(model, Prompt.of({"input_ids": ids}), make_cache, draft, rows_at_once)
     if after_prefill is not None:
         after_prefill(ready.cache)
     return DecodeState(cache=ready.cache, token=ready.first_logits.argmax(-1, keepdim=True), prompt_tokens=ids.shape[1])

@@ -44,6 +44,14 @@ class Prompt:
         following = self.attention_mask.sum(dim=1, keepdim=True)
         return following if self.position_offset is None else following + self.position_offset
 
+    def rows(self, index: slice) -> "Prompt":
+        """The prompt of rows `index` alone, at the batch's width (text prompts: `extras` stay whole)."""
+        offset = None if self.position_offset is None else self.position_offset[index]
+        return Prompt(
+            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
+            position_ids=self.position_ids[..., index, :], extras=self.extras, position_offset=offset,
+        )
+
     @classmethod
     def of(cls, inputs: Mapping[str, Any]) -> "Prompt":
         """A tokenizer's output (`input_ids`, `attention_mask` if padded; other tensors go to the prompt

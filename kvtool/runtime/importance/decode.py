@@ -6,6 +6,13 @@ import torch
 
 from kvtool.runtime.importance.scores import accumulation_dtype
 
+# On a GPU the product of the probabilities with the values is split into chunks of this many slots:
+# it has a single query row per query head, so as one matrix product per head it keeps a handful of
+# the GPU's cores busy walking thousands of slots. Fixed slots (layer/fixed.py) round their buffer
+# to a multiple of it.
+SLOT_CHUNK = 64
+_SPLIT_FROM = 8 * SLOT_CHUNK
+
 
 def decode_attention_with_scores(
     query: torch.Tensor,
@@ -23,17 +30,58 @@ def decode_attention_with_scores(
     [B, S] averaged over all query heads (what H2O accumulates and shared TOVA ranks), or with
     `per_head` [B, Hkv, S] averaged over each KV head's query heads (per-head layers, whose slots
     hold different entries in each KV head). Used only by rules that need the scores.
+
+    Scores and probabilities are float32 (float64 for float64 models). A half-precision model on a
+    GPU multiplies its own keys and values with float32 results, as FlashAttention does (the
+    probabilities enter the second product in the values' precision), instead of copying the
+    whole cache to float32 at every step.
     """
     bsz, n_heads, _, head_dim = query.shape
-    n_kv_heads = keys.shape[1]
+    n_kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = n_heads // n_kv_heads
     acc = accumulation_dtype(query.dtype)
-    q = query.reshape(bsz, n_kv_heads, n_heads // n_kv_heads, head_dim).to(acc) * scaling
-    scores = torch.matmul(q, keys.to(acc).transpose(-1, -2))  # [B, Hkv, g, S]
+    q = query.reshape(bsz, n_kv_heads, group, head_dim)
+    if _mixed(keys, acc):
+        scores = _bmm(q, keys.transpose(-1, -2), acc).mul_(scaling)
+    else:
+        scores = torch.matmul(q.to(acc) * scaling, keys.to(acc).transpose(-1, -2))  # [B, Hkv, g, S]
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.to(acc))  # [B, Hkv, g, D]
+    if _mixed(values, acc):
+        out = _weighted_values(probs, values, acc)
+    else:
+        out = torch.matmul(probs, values.to(acc))  # [B, Hkv, g, D]
     out = out.reshape(bsz, 1, n_heads, -1).to(query.dtype)
     if per_head:
         return out, probs.mean(dim=2)
     return out, probs.sum(dim=(1, 2)) / n_heads
+
+
+def _mixed(tensor: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether half-precision `tensor` can be multiplied straight into `acc` results (CUDA's bmm
+    with an output dtype)."""
+    return tensor.is_cuda and tensor.dtype != acc and _HAS_MIXED_BMM
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b over the leading dims, inputs in b's dtype, results in `acc`."""
+    lead = a.shape[:-2]
+    a, b = a.to(b.dtype).reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    # Off CUDA (the tests' CPU runs of this path): the same products through copies in `acc`.
+    out = torch.bmm(a, b, out_dtype=acc) if a.is_cuda else torch.bmm(a.to(acc), b.to(acc))
+    return out.view(*lead, *out.shape[-2:])
+
+
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """probs [B, Hkv, g, S] @ values [B, Hkv, S, D], in SLOT_CHUNK chunks of slots summed after."""
+    bsz, heads, group, slots = probs.shape
+    if slots < _SPLIT_FROM or slots % SLOT_CHUNK:
+        return _bmm(probs, values, acc)
+    chunks = slots // SLOT_CHUNK
+    p = probs.view(bsz, heads, group, chunks, SLOT_CHUNK).transpose(2, 3)  # [B, Hkv, c, g, chunk]
+    v = values.reshape(bsz, heads, chunks, SLOT_CHUNK, values.shape[-1])
+    return _bmm(p, v, acc).sum(dim=2)
+
+
+_HAS_MIXED_BMM = torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA")

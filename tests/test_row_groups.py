@@ -1,0 +1,79 @@
+"""The prompt phase a few rows at a time (runtime/row_groups.py): each row decodes what the batch run gives it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles import Draft, MethodSettings
+from kvtool.runtime import attach, uniform_profile
+from kvtool.runtime.graphed import Decoder
+from kvtool.runtime.row_groups import prepare_rows
+from kvtool.runtime.steps import Prompt
+from tiny_models import left_pad, prompts, tiny_llama
+
+SHIPPED = MethodSettings(eviction="heavy-hitter", heads="per-head", scorer="union", window=4, pool=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = tiny_llama(dtype=torch.float64, layers=3, seed=4)
+    with torch.no_grad():
+        for layer, scale in zip(model.model.layers, (30.0, 8.0, 1.0)):
+            layer.self_attn.q_proj.weight.mul_(scale)
+    return model
+
+
+def _run(model, make_cache, prompt: Prompt, draft, rows, mode: str = "eager", steps: int = 16):
+    with torch.inference_mode():
+        ready = prepare_rows(model, prompt, make_cache, draft, rows)
+        decoder = Decoder(model, ready.cache, steps, mode)
+        logits, tokens = ready.first_logits, []
+        for step in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            tokens.append(token)
+            logits = decoder(token, prompt.next_positions + step)
+        decoder.close()
+    return torch.cat(tokens, dim=1), ready
+
+
+@pytest.mark.parametrize("draft", [None, Draft(4, rounds=2, verify=True)], ids=["no draft", "verified draft"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_rows_at_a_time_decode_what_the_batch_decodes(model, draft, rows: int) -> None:
+    prompt = Prompt.of(left_pad(prompts([41, 30, 36], seed=6)))
+    with attach(model, uniform_profile(model, 0.3, SHIPPED)) as handle:
+        want, whole = _run(model, handle.bare_cache, prompt, draft, None)
+        got, grouped = _run(model, handle.bare_cache, prompt, draft, rows)
+        fixed, _ = _run(model, handle.bare_cache, prompt, draft, rows, mode="fixed")
+    assert torch.equal(got, want) and torch.equal(fixed, want)
+    torch.testing.assert_close(grouped.first_logits, whole.first_logits)
+    if draft is not None:
+        assert torch.equal(grouped.prefix.tokens, whole.prefix.tokens) and torch.equal(grouped.prefix.lengths, whole.prefix.lengths)
+    for a, b in zip(whole.cache.layers, grouped.cache.layers):
+        assert np.array_equal(a.kept, b.kept) and a.seen == b.seen
+
+
+def test_a_plain_cache_joins_its_rows(model) -> None:
+    prompt = Prompt.of(left_pad(prompts([41, 30, 36], seed=6)))
+
+    def make():
+        return DynamicCache(config=model.config)
+
+    want, whole = _run(model, make, prompt, None, None)
+    got, grouped = _run(model, make, prompt, None, 2)
+    assert torch.equal(got, want)
+    for a, b in zip(whole.cache.layers, grouped.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+
+
+def test_rows_at_a_time_refuse_what_they_cannot_split(model) -> None:
+    prompt = Prompt.of(left_pad(prompts([20, 12], seed=6)))
+    with attach(model, uniform_profile(model, 0.3, SHIPPED)) as handle:
+        with pytest.raises(KvtoolError, match="at least 1"):
+            prepare_rows(model, prompt, handle.bare_cache, None, 0)
+        pixels = Prompt(prompt.input_ids, prompt.attention_mask, prompt.position_ids, extras={"pixel_values": torch.zeros(2, 3)})
+        with pytest.raises(KvtoolError, match="image inputs"):
+            prepare_rows(model, pixels, handle.bare_cache, None, 1)
