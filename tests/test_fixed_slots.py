@@ -256,3 +256,34 @@ def test_fixed_slots_refuse_what_they_cannot_hold(model) -> None:
             Decoder(model, cache, 2, "fast")
         with pytest.raises(KvtoolError, match="CUDA"):
             Decoder(model, cache, 2, "graph")
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_drafts_steps_through_fixed_slots_draft_what_eager_steps_draft(model, monkeypatch, verify: bool) -> None:
+    """On a GPU the draft's steps replay a CUDA graph (runtime.steps.step_tokens); here the fixed-slot
+    steps it replays run eagerly: the same draft, the same verified prefix, the same compressed cache."""
+    from kvtool.profiles import Draft
+    from kvtool.runtime import graphed, steps
+    from kvtool.runtime.draft import prepare
+
+    profile = uniform_profile(model, 0.3, RECIPES["shipped: heavy-hitter, per-head, union"])
+    prompt = _prompt([40, 27])
+    draft = Draft(6, rounds=2, verify=verify)
+    results = []
+    for fixed in (False, True):
+        used = []
+        if fixed:
+            def mode(cache, device):
+                used.append(graphed.graph_applies(cache, torch.device("cuda")))
+                return "fixed" if used[-1] else "eager"
+            monkeypatch.setattr(steps, "default_mode", mode)
+        with torch.inference_mode(), attach(model, profile) as handle:
+            results.append(prepare(model, prompt, handle.bare_cache, draft))
+        if fixed:
+            assert used and all(used)  # every round's steps took the fixed slots
+    eager, fixed = results
+    if verify:
+        assert torch.equal(eager.prefix.tokens, fixed.prefix.tokens) and torch.equal(eager.prefix.lengths, fixed.prefix.lengths)
+    for a, b in zip(eager.cache.layers, fixed.cache.layers):
+        assert np.array_equal(a.kept, b.kept)
+        assert torch.equal(a.order, b.order)

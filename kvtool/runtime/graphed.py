@@ -8,7 +8,8 @@ the same kernels on the same buffers every time and reads nothing back to the ho
 step, the model's forward included, is captured once as a CUDA graph and then replayed: one launch
 per step, and the step costs what its kernels cost on the GPU.
 
-`Decoder` is what the benchmarks' decode loop calls (`kvtool.bench.measure.decode_steps`). It picks:
+`Decoder` is what the benchmarks' decode loop (`kvtool.bench.measure.decode_steps`) and the draft's
+steps (`runtime.steps.step_tokens`) call. It picks:
 - "graph": a kvtool cache on a CUDA device, every layer compressed: fixed slots, the first step run
   eagerly on a side stream (CUDA graphs want their kernels warmed up), the second captured, and every
   step from then on a replay;
@@ -41,6 +42,11 @@ def graph_applies(cache: Any, device: torch.device) -> bool:
     )
 
 
+def default_mode(cache: Any, device: torch.device) -> str:
+    """The mode "auto" picks: "graph" where `graph_applies`, else "eager"."""
+    return "graph" if graph_applies(cache, device) else "eager"
+
+
 class Decoder:
     """`decoder(token, position)` runs one decode forward of `steps` at most and returns the [B, V]
     logits of the fed token (with "graph", the graph's output buffer: read it before the next call)."""
@@ -50,7 +56,7 @@ class Decoder:
             raise KvtoolError(f"unknown decode mode {mode!r} (known: {', '.join(MODES)})")
         device = model.device
         if mode == "auto":
-            mode = "graph" if graph_applies(cache, device) else "eager"
+            mode = default_mode(cache, device)
         if mode == "graph" and not graph_applies(cache, device):
             raise KvtoolError("a CUDA-graph decode needs a kvtool cache with every layer compressed, on a CUDA device")
         if mode in ("graph", "fixed"):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvtool.models.forward import with_cache
+from kvtool.runtime.graphed import Decoder, default_mode
 
 StepHook = Callable[[], None]
 # Given the step and the logits [B, V] that predict its tokens, the [B] tokens to feed next, or
@@ -113,15 +114,26 @@ def step_tokens(
     device = first_logits.device
     mask, position = prompt.attention_mask.to(device), prompt.next_positions.to(device)
     logits = first_logits
-    for t in range(steps):
-        token = action(t, logits)
-        if token is None or t == steps - 1:
-            break
-        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-        logits = _forward(model, token[:, None], mask, position, cache)
-        position = position + 1
-        if on_step:
-            on_step()
+    # A kvtool cache on a GPU steps as a CUDA graph (runtime.graphed): the draft's steps are decode
+    # steps, launch-bound like the answer's. It needs no mask: the layers mask by their own slots.
+    mode = default_mode(cache, device) if steps > 1 else "eager"
+    decoder = Decoder(model, cache, steps - 1, mode) if mode != "eager" else None
+    try:
+        for t in range(steps):
+            token = action(t, logits)
+            if token is None or t == steps - 1:
+                break
+            if decoder is not None:
+                logits = decoder(token[:, None], position)
+            else:
+                mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+                logits = _forward(model, token[:, None], mask, position, cache)
+            position = position + 1
+            if on_step:
+                on_step()
+    finally:
+        if decoder is not None:
+            decoder.close()
 
 
 def _forward(model: Any, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
