@@ -61,3 +61,49 @@ def test_proc_stat_reads_as_busy_and_total_jiffies():
         pytest.skip("no /proc/stat here")
     busy, total = times
     assert 0 <= busy <= total
+
+
+# ----- glibc's mmap threshold (kvtool/cli/allocator.py) -----
+
+
+def test_the_cli_fixes_glibcs_mmap_threshold(monkeypatch) -> None:
+    from kvtool.cli import allocator
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    assert allocator.return_large_frees(lambda name: Libc()) == "set"
+    assert calls == [(-3, 1 << 20)]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert allocator.return_large_frees(lambda name: Libc()) == "as set" and len(calls) == 1
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+
+    def missing(name):
+        raise OSError("no libc")
+
+    assert allocator.return_large_frees(missing) == "unavailable"
+    monkeypatch.setattr(allocator.sys, "platform", "darwin")
+    assert allocator.return_large_frees(lambda name: Libc()) == "unavailable" and len(calls) == 1
+
+
+def test_the_threshold_takes_on_a_glibc_linux(monkeypatch) -> None:
+    """The real mallopt accepts the call (skipped off glibc)."""
+    import ctypes
+    import sys
+
+    from kvtool.cli.allocator import return_large_frees
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        pytest.skip("not glibc")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("not Linux")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert return_large_frees() == "set"
