@@ -6,7 +6,6 @@ import sys
 
 import typer
 
-from kvtool.cli.allocator import return_large_frees
 from kvtool.errors import KvtoolError
 from kvtool.models import use_offline_defaults
 
@@ -28,7 +27,6 @@ def _register() -> None:
 def main() -> None:
     # First: transformers and huggingface_hub read these defaults once, when a command imports them.
     use_offline_defaults()
-    return_large_frees()
     _register()
     try:
         app(standalone_mode=False)
