@@ -103,17 +103,14 @@ def test_the_slots_hold_the_budget_through_a_long_generation(model) -> None:
     """Memory stays at the budget: the buffer is sized once, each row keeps its share, no more."""
     profile = uniform_profile(model, 0.2, RECIPES["shipped: heavy-hitter, per-head, union"])
     prompt = _prompt([60, 45])
-    plan_keep = [None]
 
     def check(cache, step):
         for layer in cache.layers:
             if layer.fixed is None:
                 return
             share = layer.fixed.share[layer.fixed.tokens, layer.fixed.rows]
-            assert torch.equal(layer.fixed.kept, torch.maximum(share, layer.fixed.kept.new_tensor(0)).minimum(layer.fixed.kept))
-            assert int((layer.fixed.kept > share).sum()) == 0
-            assert torch.equal(layer.valid.sum(dim=1), layer.fixed.kept)
-            plan_keep[0] = layer.keys.shape[2]
+            assert not (layer.fixed.kept > share).any()  # every row within its share after each step
+            assert torch.equal(layer.valid.sum(dim=1), layer.fixed.kept)  # and exactly its entries valid
 
     _, _, cache = _decode(model, profile, prompt, "fixed", steps=120, check=check)
     tokens = np.array([60 + 120 - 1, 45 + 120 - 1])

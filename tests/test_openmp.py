@@ -61,4 +61,3 @@ def test_proc_stat_reads_as_busy_and_total_jiffies():
         pytest.skip("no /proc/stat here")
     busy, total = times
     assert 0 <= busy <= total
-
