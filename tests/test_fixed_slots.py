@@ -23,7 +23,7 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.graphed import Decoder
-from kvtool.runtime.importance.decode import SLOT_CHUNK
+from kvtool.runtime.importance.decode import SLOT_CHUNK, SPLIT_FROM
 from kvtool.runtime.steps import Prompt, prompt_forward
 from tiny_models import left_pad, prompts, tiny_llama
 
@@ -113,11 +113,11 @@ def test_the_slots_hold_the_budget_through_a_long_generation(model) -> None:
             assert torch.equal(layer.valid.sum(dim=1), layer.fixed.kept)  # and exactly its entries valid
 
     _, _, cache = _decode(model, profile, prompt, "fixed", steps=120, check=check)
-    tokens = np.array([60 + 120 - 1, 45 + 120 - 1])
+    tokens = np.array([60 + 120, 45 + 120])  # every step fed one token
     for layer in cache.layers:
         assert np.array_equal(layer.kept, layer.plan.keep(tokens))
-        # Sized for the last share plus one, in whole chunks of the GPU decode attention.
-        assert layer.keys.shape[2] <= -(-(int(layer.plan.keep(tokens).max()) + 1) // SLOT_CHUNK) * SLOT_CHUNK
+        # Sized for the last share plus one (whole chunks of the GPU decode attention from SPLIT_FROM on).
+        assert layer.keys.shape[2] == int(layer.plan.keep(tokens).max()) + 1 < SPLIT_FROM
 
 
 def test_fixed_steps_leave_the_host_alone_and_keep_their_buffers(model) -> None:

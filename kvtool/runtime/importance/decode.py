@@ -8,10 +8,10 @@ from kvtool.runtime.importance.scores import accumulation_dtype
 
 # On a GPU the product of the probabilities with the values is split into chunks of this many slots:
 # it has a single query row per query head, so as one matrix product per head it keeps a handful of
-# the GPU's cores busy walking thousands of slots. Fixed slots (layer/fixed.py) round their buffer
-# to a multiple of it.
+# the GPU's cores busy walking thousands of slots. Fixed slots (layer/fixed.py) round a buffer of
+# SPLIT_FROM slots or more to a multiple of it (at most 1/8 more slots; smaller buffers are not split).
 SLOT_CHUNK = 64
-_SPLIT_FROM = 8 * SLOT_CHUNK
+SPLIT_FROM = 8 * SLOT_CHUNK
 
 
 def decode_attention_with_scores(
@@ -76,7 +76,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """probs [B, Hkv, g, S] @ values [B, Hkv, S, D], in SLOT_CHUNK chunks of slots summed after."""
     bsz, heads, group, slots = probs.shape
-    if slots < _SPLIT_FROM or slots % SLOT_CHUNK:
+    if slots < SPLIT_FROM or slots % SLOT_CHUNK:
         return _bmm(probs, values, acc)
     chunks = slots // SLOT_CHUNK
     p = probs.view(bsz, heads, group, chunks, SLOT_CHUNK).transpose(2, 3)  # [B, Hkv, c, g, chunk]

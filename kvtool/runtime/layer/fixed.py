@@ -8,8 +8,8 @@ than a plain cache: docs/results.md), and a CUDA graph, which replays the kernel
 the arguments they had when it was captured, cannot be used.
 
 `fix_slots(steps)` gives the layer buffers that hold every entry the next `steps` tokens can need
-(its share after them, plus the token placed before one is evicted, rounded up to whole chunks of
-the GPU's decode attention) and moves the counters to the device. A step then runs the same kernels on the same buffers every time:
+(its share after them, plus the token placed before one is evicted; from 512 slots on, rounded up
+to whole chunks of the GPU's decode attention) and moves the counters to the device. A step then runs the same kernels on the same buffers every time:
 - place: the new token goes to slot `kept` (a device index), or to the first free slot in a layer
   that kept its whole padded prompt (not packed, never over its share);
 - attend: over every slot, masked by validity (free slots get exactly zero probability);
@@ -29,7 +29,7 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction import EntryView
-from kvtool.runtime.importance.decode import SLOT_CHUNK
+from kvtool.runtime.importance.decode import SLOT_CHUNK, SPLIT_FROM
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,9 @@ class FixedSlots:
             needed = int(self.kept.max()) + steps
             if not self.packed:
                 needed = self.keys.shape[2] + steps  # the first free slot may lie past the valid ones
-        # A whole number of the GPU decode attention's chunks (importance/decode.py).
-        needed = -(-max(needed, self.keys.shape[2]) // SLOT_CHUNK) * SLOT_CHUNK
+        needed = max(needed, self.keys.shape[2])
+        if needed >= SPLIT_FROM:  # a whole number of the GPU decode attention's chunks (importance/decode.py)
+            needed = -(-needed // SLOT_CHUNK) * SLOT_CHUNK
         if needed > self.keys.shape[2]:
             self._grow(needed - self.keys.shape[2])
         counts = int(last.max()) + 1
