@@ -98,10 +98,6 @@ class KvtoolCache(DynamicCache):
         for layer in self.compressing_layers().values():
             layer.release_slots()
 
-    @property
-    def slots_fixed(self) -> bool:
-        return any(layer.fixed is not None for layer in self.compressing_layers().values())
-
     def _need_every_layer(self, what: str) -> None:
         plain = [i for i, layer in enumerate(self.layers) if not isinstance(layer, CompressingLayer)]
         if plain:

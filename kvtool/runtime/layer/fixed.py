@@ -30,6 +30,7 @@ import torch
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction import EntryView
 from kvtool.runtime.importance.decode import SLOT_CHUNK, SPLIT_FROM
+from kvtool.runtime.layer.slots import write_slot
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ class FixedSlots:
         self.valid.scatter_(1, slot[:, None], True)
         for tensor, value in ((self.frozen, False), (self.image, False), (self.score, 0.0)):
             if tensor is not None:
-                _write(tensor, slot, value)
-        _write(self.order, slot, fixed.seen)
+                write_slot(tensor, slot, value)
+        write_slot(self.order, slot, fixed.seen)
         fixed.seen.add_(1)
         fixed.tokens.add_(1)
         fixed.kept.add_(1)
@@ -138,11 +139,3 @@ class FixedSlots:
         self.valid.scatter_(1, last[:, None], ~over[:, None])
         fixed.kept.sub_(over.long())
 
-
-def _write(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
-    """tensor[b, ..., slot[b]] = value ([B, S] or [B, Hkv, S] state); `value` a number or a 0-d tensor."""
-    index = slot[:, None] if tensor.dim() == 2 else slot[:, None, None].expand(-1, tensor.shape[1], 1)
-    if isinstance(value, torch.Tensor):
-        tensor.scatter_(tensor.dim() - 1, index, value.to(tensor.dtype).expand(index.shape))
-    else:
-        tensor.scatter_(tensor.dim() - 1, index, value)

@@ -122,11 +122,12 @@ def real_new_tokens(given: torch.Tensor) -> torch.Tensor | None:
 
 
 def write_slot(tensor: torch.Tensor, slot: torch.Tensor, value) -> None:
-    """Set per-slot metadata ([B, S], or [B, Hkv, S] in per-head layers) at one slot per sequence."""
-    if tensor.dim() == 2:
-        tensor.scatter_(1, slot[:, None], value)
-    else:
-        tensor.scatter_(2, slot[:, None, None].expand(-1, tensor.shape[1], 1), value)
+    """Set per-slot metadata ([B, S], or [B, Hkv, S] in per-head layers) at one slot per sequence;
+    `value` a number or a 0-d tensor (fixed slots keep their counters on the device)."""
+    index = slot[:, None] if tensor.dim() == 2 else slot[:, None, None].expand(-1, tensor.shape[1], 1)
+    if isinstance(value, torch.Tensor):
+        value = value.to(tensor.dtype).expand(index.shape)
+    tensor.scatter_(tensor.dim() - 1, index, value)
 
 
 def is_packed(valid: torch.Tensor, kept: np.ndarray) -> bool:
