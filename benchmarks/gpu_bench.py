@@ -195,6 +195,7 @@ METRICS = {
     "end_to_end_tok_s": lambda r: r.end_to_end_tok_s,
     "kv_bytes": lambda r: float(r.kv_bytes),
     "peak_memory_bytes": lambda r: float(r.peak_memory_bytes),
+    "prompt_peak_memory_bytes": lambda r: float(r.prompt_peak_memory_bytes),
 }
 
 
@@ -279,7 +280,7 @@ def _entries(runs: dict[str, list[RunResult]], errors: dict[str, str]) -> dict[s
 
 
 # Lower is better for these; tok/s are higher-is-better.
-LOWER_IS_BETTER = ("prefill_s", "kv_bytes", "peak_memory_bytes")
+LOWER_IS_BETTER = ("prefill_s", "kv_bytes", "peak_memory_bytes", "prompt_peak_memory_bytes")
 
 
 def add_ratios(cells: dict[str, dict[str, Any]], fulls: list[str]) -> dict[str, str]:
@@ -735,8 +736,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['new_tokens']} new tokens; median (min-max) of {report['repeats']} runs; x: against the fastest "
         f"full cache for that column (SDPA choices compared; kvtool and the ceiling run under the fastest prompt phase's).",
         "",
-        "| prompt x batch | cache | prompt phase, s | x | decode, tok/s | x | end-to-end, tok/s | x | KV, GiB | x | peak, GiB | x |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| prompt x batch | cache | prompt phase, s | x | decode, tok/s | x | end-to-end, tok/s | x | KV, GiB | x | prompt-phase peak, GiB | x | peak, GiB | x |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for cell in report["cells"]:
         label = f"{cell['prompt_tokens']} x {cell['batch']}"
@@ -751,6 +752,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {fmt(entry.get('decode_tok_s'), digits=1)} | {ratio(entry, 'decode_tok_s')} "
                 f"| {fmt(entry.get('end_to_end_tok_s'), digits=1)} | {ratio(entry, 'end_to_end_tok_s')} "
                 f"| {fmt(entry.get('kv_bytes'), GIB)} | {ratio(entry, 'kv_bytes')} "
+                f"| {fmt(entry.get('prompt_peak_memory_bytes'), GIB)} | {ratio(entry, 'prompt_peak_memory_bytes')} "
                 f"| {fmt(entry.get('peak_memory_bytes'), GIB)} | {ratio(entry, 'peak_memory_bytes')} |"
             )
     cap = report.get("capacity")

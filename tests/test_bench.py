@@ -20,7 +20,7 @@ from kvtool.runtime import uniform_profile
 from kvtool.runtime.layer import GROWTH_SLOTS
 from tiny_models import profile_with, tiny_gemma3
 
-CACHE_KEYS = {"prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes"}
+CACHE_KEYS = {"prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes", "prompt_peak_memory_bytes"}
 RATIO_KEYS = {"decode_speedup", "decode_speedup_ceiling", "prefill_ratio", "kv_fraction"}
 META_KEYS = {
     "model", "profile", "budget", "prompt_tokens", "batch", "new_tokens", "repeat",
@@ -64,6 +64,7 @@ def test_json_contract_and_ratios_from_the_parts(capsys, monkeypatch, tiny_llama
         assert set(report[name]) >= CACHE_KEYS
         part = report[name]
         assert part["prefill_s"] > 0 and part["decode_tok_s"] > 0 and part["peak_memory_bytes"] > 0
+        assert 0 < part["prompt_peak_memory_bytes"] <= part["peak_memory_bytes"]
         # End to end includes the prompt phase, so it is below the decode rate.
         assert 0 < part["end_to_end_tok_s"] < part["decode_tok_s"]
     full, comp, ceil = report["full"], report["compressed"], report["ceiling"]

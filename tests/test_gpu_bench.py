@@ -40,7 +40,7 @@ def test_smoke_run_on_cpu(bench, tmp_path, capsys):
         assert "note" not in cell, (name, cell.get("note"))
         assert len(cell["runs"]) == 1
         assert cell["prefill_s"]["median"] > 0 and cell["decode_tok_s"]["median"] > 0
-        assert set(cell["ratio_to_baseline"]) == {"prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes"}
+        assert set(cell["ratio_to_baseline"]) == {"prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes", "prompt_peak_memory_bytes"}
     full_kv = cells["full (sdpa default)"]["kv_bytes"]["median"]
     assert cells["kvtool, no draft"]["kv_bytes"]["median"] < full_kv
     assert cells["ceiling"]["kv_bytes"]["median"] < full_kv
@@ -52,7 +52,8 @@ def test_smoke_run_on_cpu(bench, tmp_path, capsys):
 
 def test_predicted_batch_extrapolates_the_peak_per_row(bench):
     def run(batch, peak, kv):
-        return bench.RunResult(prefill_s=1, decode_s=1, batch=batch, new_tokens=8, kv_bytes=kv * batch, kv_slots=(100, 100), peak_memory_bytes=peak)
+        return bench.RunResult(prefill_s=1, decode_s=1, batch=batch, new_tokens=8, kv_bytes=kv * batch, kv_slots=(100, 100), peak_memory_bytes=peak,
+                               prompt_peak_memory_bytes=peak)
 
     # 10 GiB fixed, 2 GiB a row, KV 100 slots of 1 MiB a row growing by 100 slots: 3 GiB more a row... of 95 GiB
     gib = bench.GIB
@@ -78,7 +79,7 @@ def test_capacity_backs_off_on_out_of_memory(bench, monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory (fake)")
             return bench.RunResult(
                 prefill_s=0.5, decode_s=1.0, batch=batch, new_tokens=new_tokens, kv_bytes=1000 * batch,
-                kv_slots=(1,), peak_memory_bytes=gib * batch,
+                kv_slots=(1,), peak_memory_bytes=gib * batch, prompt_peak_memory_bytes=gib * batch,
             )
         return run
 

@@ -51,6 +51,7 @@ class RunResult:
     kv_bytes: bytes of KV storage the cache holds at the end (`kvtool.runtime.memory.kv_bytes`).
     kv_slots: physical entries per layer at the end (sequence length of each layer's key tensor).
     peak_memory_bytes: peak memory during the run (see `kvtool.bench.peak`).
+    prompt_peak_memory_bytes: peak memory during the prompt phase alone (what the first token costs).
     """
 
     prefill_s: float
@@ -60,6 +61,7 @@ class RunResult:
     kv_bytes: int
     kv_slots: tuple[int, ...]
     peak_memory_bytes: int
+    prompt_peak_memory_bytes: int
 
     @property
     def decode_tok_s(self) -> float:
@@ -79,6 +81,7 @@ class CacheStats:
     end_to_end_tok_s: float
     kv_bytes: int
     peak_memory_bytes: int
+    prompt_peak_memory_bytes: int
     kv_slots: tuple[int, ...]
     runs: tuple[RunResult, ...]
 
@@ -92,6 +95,7 @@ class CacheStats:
             end_to_end_tok_s=statistics.median(r.end_to_end_tok_s for r in runs),
             kv_bytes=int(statistics.median(r.kv_bytes for r in runs)),  # the same in every run
             peak_memory_bytes=int(statistics.median(r.peak_memory_bytes for r in runs)),
+            prompt_peak_memory_bytes=int(statistics.median(r.prompt_peak_memory_bytes for r in runs)),
             kv_slots=runs[-1].kv_slots,
             runs=tuple(runs),
         )
@@ -213,6 +217,7 @@ def run_once(
         state = prompt_phase(model, ids, make_cache, after_prefill, draft, rows_at_once)
         _sync(device)
         t1 = time.perf_counter()
+        prompt_peak = peak.so_far()
         state.planned = new_tokens
         decode_steps(model, state, new_tokens)
         _sync(device)
@@ -225,6 +230,7 @@ def run_once(
         kv_bytes=kv_bytes(state.cache),
         kv_slots=layer_slots(state.cache),
         peak_memory_bytes=peak.bytes,
+        prompt_peak_memory_bytes=prompt_peak,
     )
 
 

@@ -13,9 +13,9 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +29,14 @@ RUSAGE_METHOD = "cpu ru_maxrss: getrusage peak resident set of the process so fa
 
 @dataclass
 class PeakReading:
-    """Filled in when the `track_peak` block ends."""
+    """`bytes` is filled in when the `track_peak` block ends; `so_far()` reads the peak inside it."""
 
     bytes: int = 0
+    _read: Callable[[], int] | None = field(default=None, repr=False)
+
+    def so_far(self) -> int:
+        """The peak from the block's start until now (a benchmark's prompt phase: the peak before decoding)."""
+        return self._read() if self._read is not None else self.bytes
 
 
 def _statm_available() -> bool:
@@ -77,6 +82,10 @@ class _RssSampler(threading.Thread):
         while not self._stop_event.wait(SAMPLE_INTERVAL_S):
             self.peak = max(self.peak, _read_rss())
 
+    def so_far(self) -> int:
+        self.peak = max(self.peak, _read_rss())
+        return self.peak
+
     def stop(self) -> int:
         self._stop_event.set()
         self.join()
@@ -98,6 +107,12 @@ def track_peak(device: torch.device) -> Iterator[PeakReading]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+        def cuda_peak() -> int:
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device))
+
+        reading._read = cuda_peak
         try:
             yield reading
         finally:
@@ -105,6 +120,7 @@ def track_peak(device: torch.device) -> Iterator[PeakReading]:
             reading.bytes = int(torch.cuda.max_memory_allocated(device))
         return
     if not _statm_available():
+        reading._read = _ru_maxrss_bytes
         try:
             yield reading
         finally:
@@ -112,6 +128,7 @@ def track_peak(device: torch.device) -> Iterator[PeakReading]:
         return
     sampler = _RssSampler()
     sampler.start()
+    reading._read = sampler.so_far
     try:
         yield reading
     finally:

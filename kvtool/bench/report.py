@@ -12,7 +12,8 @@ from kvtool.bench.measure import CACHES, LABELS, BenchResult, CacheStats
 from kvtool.units import human_bytes
 
 # Keys of each of "full", "compressed" and "ceiling" in the JSON object.
-CACHE_KEYS = ("prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes", "kv_slots")
+CACHE_KEYS = ("prefill_s", "decode_tok_s", "end_to_end_tok_s", "kv_bytes", "peak_memory_bytes",
+             "prompt_peak_memory_bytes", "kv_slots")
 RATIO_KEYS = ("decode_speedup", "decode_speedup_ceiling", "prefill_ratio", "kv_fraction")
 
 
@@ -23,6 +24,7 @@ def cache_dict(stats: CacheStats) -> dict[str, Any]:
         "end_to_end_tok_s": stats.end_to_end_tok_s,
         "kv_bytes": stats.kv_bytes,
         "peak_memory_bytes": stats.peak_memory_bytes,
+        "prompt_peak_memory_bytes": stats.prompt_peak_memory_bytes,
         "kv_slots": list(stats.kv_slots),
     }
 
@@ -70,6 +72,7 @@ def bench_table(result: BenchResult) -> Table:
     table.add_column("decode\ntok/s", justify="right")
     table.add_column("end-to-end\ntok/s", justify="right")
     table.add_column("KV at\nthe end", justify="right")
+    table.add_column("peak in the\nprompt phase", justify="right")
     table.add_column("peak\nmemory", justify="right")
     for name in CACHES:
         stats: CacheStats = getattr(result, name)
@@ -79,6 +82,7 @@ def bench_table(result: BenchResult) -> Table:
             f"{stats.decode_tok_s:.1f}",
             f"{stats.end_to_end_tok_s:.1f}",
             human_bytes(stats.kv_bytes),
+            human_bytes(stats.prompt_peak_memory_bytes),
             human_bytes(stats.peak_memory_bytes),
         )
     return table
