@@ -4,7 +4,9 @@ CI has no GPU, so the test suite runs on the CPU; this script is what a session 
 
 1. Exactness on the GPU (float64 tiny Llama, GQA; the shipped recipe and every named method):
    budget 1.0 generates what the unmodified model generates, a padded batch generates what each
-   sequence generates alone, and each layer holds at most its share after the generated tokens.
+   sequence generates alone, each layer holds at most its share after the generated tokens, the
+   CUDA-graph decode equals the eager one (also inside `generate`), and the recipe's draft prepares
+   the same cache with its held prompts in host memory as on the GPU.
 2. Speed and memory: `run_bench` (what `kvtool bench` runs) of the full cache, the built-in profile
    and the truncated ceiling, at each `--shape` (prompt tokens x batch), in float32 and bfloat16.
 
@@ -88,7 +90,54 @@ def exactness(device: torch.device, shipped) -> dict:
             results[f"{name}: padded batch == single runs"] = same
             results[f"{name}: each layer within its share after {NEW} tokens"] = bool(holds)
             results[f"{name}: CUDA-graph decode == eager decode"] = graph_decode_matches(model, profile, padded(seqs, device))
+            results[f"{name}: generate through the CUDA graph == transformers' loop"] = graphed_generate_matches(
+                model, profile, padded(seqs, device)
+            )
+        draft_profile = recipes["kvtool (shipped recipe)"]
+        results["kvtool (shipped recipe): draft with prompts held in host memory == held on the GPU"] = held_on_host_matches(
+            model, draft_profile, padded(seqs, device)
+        )
     return results
+
+
+def graphed_generate_matches(model, profile, inputs: dict[str, torch.Tensor]) -> bool:
+    """`handle.generate` (the recipe's draft applied where it has one) gives the same sequences with
+    its decode steps replayed as a CUDA graph (runtime.graphed_generate) as with transformers' loop."""
+    from kvtool.runtime import graphed_generate
+
+    runs, saved = [], graphed_generate.MODE
+    try:
+        for mode in ("off", "auto"):
+            graphed_generate.MODE = mode
+            with torch.inference_mode(), attach(model, profile) as handle:
+                runs.append(handle.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=0))
+    finally:
+        graphed_generate.MODE = saved
+    return bool(torch.equal(runs[0], runs[1]))
+
+
+def held_on_host_matches(model, profile, inputs: dict[str, torch.Tensor]) -> bool:
+    """The recipe's draft prepares exactly the same cache (first logits, verified prefix, kept keys
+    and values) with its held prompts in pinned host memory as with them on the GPU."""
+    from kvtool.runtime.draft import prepare
+    from kvtool.runtime.layer import held_prompt
+    from kvtool.runtime.steps import Prompt
+
+    runs, saved = [], held_prompt.ON_HOST
+    try:
+        for on_host in (False, True):
+            held_prompt.ON_HOST = on_host
+            with torch.inference_mode(), attach(model, profile) as handle:
+                runs.append(prepare(model, Prompt.of(inputs), handle.bare_cache, profile.method.draft))
+    finally:
+        held_prompt.ON_HOST = saved
+    (gpu, host) = runs
+    same = torch.equal(gpu.first_logits, host.first_logits)
+    if gpu.prefix is not None:
+        same &= torch.equal(gpu.prefix.tokens, host.prefix.tokens) and torch.equal(gpu.prefix.lengths, host.prefix.lengths)
+    for a, b in zip(gpu.cache.layers, host.cache.layers, strict=True):
+        same &= torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.valid, b.valid)
+    return bool(same)
 
 
 def graph_decode_matches(model, profile, inputs: dict[str, torch.Tensor], steps: int = NEW) -> bool:

@@ -9,15 +9,21 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
 (b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
 (c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
-(d) kvtool's default recipe (the same with the recipe's drafted answer, 64 tokens x 2 rounds, verified);
+(d) kvtool's default recipe (the same with the recipe's drafted answer, 64 tokens x 2 rounds, verified),
+    its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
+    them held on the GPU;
 each as the median with min-max over `--repeats` runs of: prompt-phase seconds, decode tok/s,
-end-to-end tok/s, KV bytes after the run, peak memory (torch.cuda.max_memory_allocated on a GPU).
+end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in the whole run
+(torch.cuda.max_memory_allocated on a GPU).
 (e) `--capacity`: for each of `--capacity-caches` (full, kvtool without its draft, kvtool), the
     largest batch at `--capacity-prompt` (32768) prompt tokens that runs `--capacity-new-tokens`
     (1024) new tokens, and its throughput: probes at 1 and 2 rows give the peak per row, the batch
     that fits by that line is run in full, and one that runs out of memory backs off.
 (f) the prompt kernels alone (kvtool.runtime.kernels.triton_scores) on one layer's q/k/v of each cell:
     exactness against a float64 brute force at 1024 tokens, and time against torch's SDPA.
+(i) `--generate`: what `generate` users get at the first cell: wall time of `model.generate` (full
+    cache) against `handle.generate` (kvtool without its draft; decode steps as a CUDA graph, and
+    through transformers' own loop).
 (g) `--profile`: torch.profiler tables (top ops by device and host time, kernel launches) of decode
     steps and prompt phases at the first cell: what to cut next. Profiling the draft's prompt phase
     takes minutes on a GPU.
@@ -63,6 +69,7 @@ from kvtool.profiles import read_profile  # noqa: E402
 from kvtool.profiles.builtin import builtin_profile  # noqa: E402
 from kvtool.runtime import attach, uniform_profile  # noqa: E402
 from kvtool.runtime.attach import layer_plans  # noqa: E402
+from kvtool.runtime.layer import held_prompt  # noqa: E402
 
 GIB = 2**30
 SHAPES: dict[str, dict[str, Any]] = {
@@ -86,8 +93,9 @@ LAST_RUN: dict[str, tuple[int, int, float]] = {}
 RECIPE = ("smollm2", 0.2)  # the shipped recipe whose rules the kvtool cells apply uniformly
 
 # Cell names (JSON keys).
-FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL = (
+FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU = (
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
+    "kvtool recipe, prompt held on the GPU",
 )
 
 
@@ -339,9 +347,18 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
                 return run(model, prompt, new_tokens, profile)
         return cell
 
-    others = {CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe)}
+    def held_on_gpu(model, prompt, new_tokens, profile):
+        with prompt_held_on_host(False):
+            return run_kvtool(model, prompt, new_tokens, profile)
+
+    others = {
+        CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
+        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe),
+    }
     if not args.ceiling:
         del others[CEILING]
+    if device.type != "cuda":  # the same cell as the recipe's off a GPU
+        del others[KVTOOL_HELD_ON_GPU]
     rest = measure_cells(
         others,
         ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,
@@ -350,6 +367,77 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
     live.update({**full, **rest})
     entry["baselines"] = add_ratios(live, list(full))
     checkpoint()
+
+
+@contextlib.contextmanager
+def prompt_held_on_host(on_host: bool):
+    """Where a draft's held prompts go on a GPU, for the runs inside (`runtime.layer.held_prompt`)."""
+    saved, held_prompt.ON_HOST = held_prompt.ON_HOST, on_host
+    try:
+        yield
+    finally:
+        held_prompt.ON_HOST = saved
+
+
+# ----- (i) generate: what users call -----
+
+
+def generate_cells(model, ids: torch.Tensor, args, method) -> dict[str, Any]:
+    """Wall time of `--new-tokens` greedy tokens from `generate`: `model.generate` through a full cache
+    (each SDPA choice) and `handle.generate` for kvtool without its draft, its decode steps replayed as
+    a CUDA graph (runtime.graphed_generate) and through transformers' own loop; warmed up on a short
+    prompt, then interleaved rounds, median (min-max) and tokens/s against the fastest full cache."""
+    from kvtool.models.forward import with_cache
+    from kvtool.runtime import graphed_generate
+
+    no_draft = uniform_profile(model, args.kv_budget, without_draft(method))
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+
+    def full(context):
+        def run(prompt):
+            with context():
+                return model.generate(input_ids=prompt, **with_cache(model, DynamicCache(config=model.config)), **kwargs)
+        return run
+
+    def kvtool(mode):
+        def run(prompt):
+            saved, graphed_generate.MODE = graphed_generate.MODE, mode
+            try:
+                with attach(model, no_draft) as handle:
+                    return handle.generate(input_ids=prompt, **kwargs)
+            finally:
+                graphed_generate.MODE = saved
+        return run
+
+    cells = {FULL_DEFAULT: full(contextlib.nullcontext), "kvtool, no draft (CUDA graph)": kvtool("auto"),
+             "kvtool, no draft (transformers' loop)": kvtool("off")}
+    if ids.device.type == "cuda":
+        cells[FULL_NO_CUDNN] = full(lambda: cudnn_sdp(False))
+    seconds: dict[str, list[float]] = {name: [] for name in cells}
+    for name, run in cells.items():
+        run(ids[:, :WARMUP_TOKENS])
+    for _ in range(args.repeats):
+        for name, run in cells.items():
+            if not args.budget_guard.allows(f"generate {name}", LAST_RUN.get(f"generate {name}", (0, 0, 0.0))[2]):
+                continue
+            release(ids.device)
+            _sync_device(ids.device)
+            started = time.perf_counter()
+            out = run(ids)
+            _sync_device(ids.device)
+            seconds[name].append(time.perf_counter() - started)
+            LAST_RUN[f"generate {name}"] = (ids.shape[1], ids.shape[0], seconds[name][-1])
+            assert out.shape[1] == ids.shape[1] + args.new_tokens, out.shape
+            log(f"generate {name}: {seconds[name][-1]:.2f} s")
+    new = ids.shape[0] * args.new_tokens
+    report = {"prompt_tokens": ids.shape[1], "batch": ids.shape[0], "new_tokens": args.new_tokens, "cells": {}}
+    for name, values in seconds.items():
+        if values:
+            report["cells"][name] = {"seconds": spread(values), "tok_s": new / statistics.median(values)}
+    fulls = [report["cells"][name]["tok_s"] for name in (FULL_DEFAULT, FULL_NO_CUDNN) if name in report["cells"]]
+    for entry in report["cells"].values():
+        entry["x"] = entry["tok_s"] / max(fulls) if fulls else None
+    return report
 
 
 # ----- (e) capacity -----
@@ -772,6 +860,15 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {run.get('peak_memory_bytes', float('nan')) / GIB:.1f} |"
                 + (f" {note}" if note else "")
             )
+    gen = report.get("generate")
+    if gen and gen.get("cells"):
+        lines += ["", f"`generate`, {gen['new_tokens']} greedy new tokens at {gen['prompt_tokens']} x {gen['batch']} "
+                  "(wall time, prompt phase included):", "",
+                  "| how | seconds | tok/s | x |", "| --- | --- | --- | --- |"]
+        for name, entry in gen["cells"].items():
+            sec = entry["seconds"]
+            lines.append(f"| {name} | {sec['median']:.2f} ({sec['min']:.2f}-{sec['max']:.2f}) | {entry['tok_s']:.1f} "
+                         f"| {entry['x']:.2f}x |" if entry.get("x") else f"| {name} | {sec['median']:.2f} | {entry['tok_s']:.1f} | - |")
     dec = report.get("decode_attention")
     if dec and dec.get("shapes"):
         lines += ["", f"Decode attention with scores alone, one layer (median of 20, CUDA events; mixed bmm available: "
@@ -839,6 +936,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None, help="(f); default: on a GPU")
     parser.add_argument("--kernel-sweep", action="store_true", help="(f) also times tile choices at the first --shapes cell")
     parser.add_argument("--exactness", action=argparse.BooleanOptionalAction, default=None, help="cuda_check's checks; default: on a GPU")
+    parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=None,
+                        help="(i) generate's wall time at the first --shapes cell, full against kvtool; default: on a GPU")
     parser.add_argument("--profile", action="store_true", help="(g) torch.profiler tables of decode steps and prompt phases at the first --shapes cell")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip whatever would start after this many seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -909,6 +1008,17 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, Any] = {}
             report["cells"].append(entry)
             shape_cells(model, ids, args, method, entry, save)
+            del ids
+            release(device)
+            save()
+        if args.generate if args.generate is not None else on_gpu:
+            tokens, batch = shapes[0]
+            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(5)).to(device)
+            try:
+                report["generate"] = generate_cells(model, ids, args, method)
+            except Exception:  # noqa: BLE001
+                report["generate"] = {"error": traceback.format_exc(limit=4)}
+            log(f"generate: {json.dumps(report['generate'])[:600]}")
             del ids
             release(device)
             save()

@@ -323,3 +323,40 @@ def test_the_draft_rows_positions_stay_on_the_prompts_device():
     ids = torch.ones(2, 5, dtype=torch.long, device="meta")
     whole = with_draft(Prompt.of({"input_ids": ids}), torch.ones(2, 3, dtype=torch.long))
     assert whole.position_ids.device.type == "meta" and whole.position_ids.shape == (2, 8)
+
+
+def test_prompts_held_in_host_memory_prepare_the_same_cache(llama, monkeypatch):
+    """On a GPU a draft's held prompts go to host memory and come back a layer at a time
+    (runtime.layer.held_prompt). That path, its copies made here on the CPU, prepares exactly what
+    holding them in place does: the same first logits, verified prefix and kept entries, also in a
+    layer that keeps everything (it goes on writing into its prompt's tensors)."""
+    from kvtool.runtime.layer import held_prompt
+
+    class Copied:  # stands for the CUDA event that ends a copy out
+        def wait(self, stream=None):
+            waits.append(stream)
+
+    copies, waits = [], []
+
+    def to_host(*tensors):
+        copies.append(len(tensors))
+        return tuple(t.clone() for t in tensors), Copied()
+
+    profile = profile_with(llama, [0.3, 1.0, 0.2], sink_tokens=1, recent_window=2, truncation_distance=3)
+    plans = rules_plans(profile, **RULES["per-head-union-h2o"])
+    batch = left_pad([s.tolist() for s in prompts([40, 26], seed=6)], (0, 1), 0)
+    runs = []
+    for on_host in (False, True):
+        if on_host:
+            monkeypatch.setattr(held_prompt, "_on_host", lambda device: True)
+            monkeypatch.setattr(held_prompt, "_to_host", to_host)
+            monkeypatch.setattr(held_prompt, "_wait", lambda copied, device: copied.wait(device))
+        with torch.no_grad(), attach(llama, profile):
+            runs.append(prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True)))
+    assert copies == [2] * 3 and len(waits) == 3 * 2  # per layer: one copy out, and one copy back a round
+    (place, host) = runs
+    assert torch.equal(place.first_logits, host.first_logits)
+    assert torch.equal(place.prefix.tokens, host.prefix.tokens) and torch.equal(place.prefix.lengths, host.prefix.lengths)
+    for a, b in zip(place.cache.layers, host.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.valid, b.valid)
+    assert not place.cache.layers[1].compresses and place.cache.layers[0].compresses

@@ -111,11 +111,13 @@ def _attend_held(layer: HeldLayer, module, query, key, value, attention_mask, dr
         # One pass gives both, as in a prompt pass; on the CPU, one sequence at a time (cpu_path),
         # several times faster than the portable chunks (docs/results.md, speed on the CPU).
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        output, layer.scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
+        output, scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
+        layer.read(scores, key, value)
         return output, None
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    _, layer.scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.CHUNK_ELEMENTS, request)
+    _, scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.CHUNK_ELEMENTS, request)
+    layer.read(scores, key, value)
     return out
 
 

@@ -10,9 +10,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.importance import PromptScores, with_rows
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
-from kvtool.runtime.layer.prompt import HeldPrompt
+from kvtool.runtime.layer.held_prompt import HeldPrompt
 
 
 class KvtoolCache(DynamicCache):
@@ -74,13 +73,15 @@ class KvtoolCache(DynamicCache):
             layer.held = None
         return held
 
-    def compress_held(self, held: Sequence[HeldPrompt], rows: Sequence[PromptScores], image_mask: torch.Tensor | None) -> None:
-        """Fill this fresh cache from held prompts, with more rows' column sums (a draft's) added
-        to each layer's scores: what one forward of the prompt and those rows would leave here."""
+    def layers_to_fill(self, held: int, image_mask: torch.Tensor | None = None) -> list:
+        """This fresh cache's layers, for a forward over `held` held prompts to compress each from its
+        prompt with more rows' column sums (a draft's) added to its scores (`HeldLayer.read`): what
+        one forward of the prompt and those rows would leave here."""
         self._need_every_layer("a draft")
+        if held != len(self.layers):
+            raise KvtoolError(f"internal: {held} held prompts for a cache of {len(self.layers)} layers")
         self.image_mask = image_mask
-        for layer, prompt, extra in zip(self.layers, held, rows, strict=True):
-            layer.compress_held(prompt, with_rows(prompt.scores, extra))
+        return list(self.layers)
 
     def fix_slots(self, steps: int) -> None:
         """Every layer makes room for `steps` more tokens and keeps its counters on the device: a

@@ -8,10 +8,10 @@ A question says what the answer needs only in part; the answer's own first token
 2. that cache is dropped, and the draft runs as one forward of its own over the held prompts
    (`runtime.held`): its rows attend to the whole prompt and to each other, as they would at the end
    of the prompt's forward, and their attention joins the prompt's scores (column sums, and the
-   observation window, which grows by the draft); a fresh cache is compressed from the held prompts
-   with those scores (`KvtoolCache.compress_held`). The prompt never runs again: this equals, up to
-   the order of floating-point additions, the prompt's forward with the draft appended
-   (`KvtoolCache.set_draft`, which the tests check it against);
+   observation window, which grows by the draft); in the same forward a fresh cache is compressed
+   from the held prompts with those scores, a layer at a time (`HeldLayer.read`). The prompt never
+   runs again: this equals, up to the order of floating-point additions, the prompt's forward with
+   the draft appended (`KvtoolCache.set_draft`, which the tests check it against);
 3. generation starts from the prompt's end with the prompt's own last logits, exactly as without a
    draft, so the first token is the full cache's and no drafted token is kept.
 
@@ -19,7 +19,8 @@ With `rounds` > 1, steps 1-2 repeat: each later draft comes from the cache the p
 scored, which keeps more of what the answer reads, so the draft is closer to the full cache's own
 answer and the next scores closer to what that answer needs. Each round costs `tokens` - 1 steps
 through the compressed cache and one `tokens`-row forward; the held prompt is the full cache's own
-size and is let go once the last round has compressed.
+size and is let go once the last round has compressed. On a GPU it waits in pinned host memory
+(`runtime.layer.held_prompt`), so the prompt phase's peak stays below the full cache's.
 
 **Verified drafts** (`verify`). The forward of step 2 runs the draft rows with full attention over
 the whole prompt and over each other: its logits at the draft's positions are the full cache's own
@@ -47,6 +48,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from kvtool.models.forward import with_cache
 from kvtool.profiles import Draft
 from kvtool.runtime.cache import KvtoolCache
+from kvtool.runtime.graphed_generate import loop_for
 from kvtool.runtime.held import HeldCache
 from kvtool.runtime.memory import too_short_to_compress
 from kvtool.runtime.steps import Prompt, prompt_forward, step_tokens
@@ -176,7 +178,7 @@ def prepare(model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Dr
 
     The prompt runs once: its layers hold their whole prompt aside (`KvtoolCache.hold_prompt`), each
     round's draft is one forward of `draft.tokens` rows over it (`HeldCache`), and the next cache is
-    compressed from it with their attention added (`KvtoolCache.compress_held`)."""
+    compressed from it with their attention added, in that forward (`runtime.held`)."""
     cache = make_cache()
     if draft is None:
         return Prepared(cache, prompt_forward(model, prompt, cache))
@@ -187,14 +189,12 @@ def prepare(model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Dr
     for _ in range(draft.rounds):
         tokens = drafted(model, cache, first, prompt, draft.tokens, prefix).cpu()
         del cache  # the draft's cache goes before the next one fills
-        reading = HeldCache(model.config, held)
+        cache = make_cache()
+        reading = HeldCache(model.config, held, cache.layers_to_fill(len(held), image_mask))
         logits = draft_logits(model, prompt, tokens, reading, draft.tokens if draft.verify else 1)
         if draft.verify:
             prefix = verified_prefix(tokens, logits)
-        rows = reading.row_scores()
         del reading
-        cache = make_cache()
-        cache.compress_held(held, rows, image_mask)
     return Prepared(cache, first, prefix)
 
 
@@ -247,7 +247,8 @@ def generate(
         if short and isinstance(cache, KvtoolCache):
             # Nothing worth saving: the full cache, exactly as without kvtool (runtime.memory).
             cache = DynamicCache(config=model.config)
-        return model.generate(**inputs, **with_cache(model, cache), **generate_kwargs), cache
+        loop = loop_for(model, cache, inputs, generate_kwargs)
+        return model.generate(**inputs, **with_cache(model, cache), **generate_kwargs, **loop), cache
     if limit is not None:
         draft = draft.capped(limit)
         generate_kwargs["max_new_tokens"] = limit - 1  # the first token is chosen here
@@ -262,11 +263,15 @@ def generate(
     if ready.prefix is not None:
         processors.append(ForcedPrefix(ready.prefix, prompt.input_ids.shape[1]))
     mask = prompt.attention_mask
+    continued = {
+        "input_ids": torch.cat([prompt.input_ids, first], dim=1),
+        "attention_mask": torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1),
+    }
     sequences = model.generate(
-        input_ids=torch.cat([prompt.input_ids, first], dim=1),
-        attention_mask=torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1),
+        **continued,
         **with_cache(model, ready.cache),
         logits_processor=processors,
         **generate_kwargs,
+        **loop_for(model, ready.cache, continued, generate_kwargs),
     )
     return sequences, ready.cache

@@ -10,8 +10,8 @@ per step, and the step costs what its kernels cost on the GPU. On an H100 at Lla
 that took kvtool's decode from 0.48x / 0.56x the full cache's to 1.70x / 1.55x (8192 x 4 / 32768 x 2;
 docs/results.md, on a GPU).
 
-`Decoder` is what the benchmarks' decode loop (`kvtool.bench.measure.decode_steps`) and the draft's
-steps (`runtime.steps.step_tokens`) call. It picks:
+`Decoder` is what the benchmarks' decode loop (`kvtool.bench.measure.decode_steps`), the draft's
+steps (`runtime.steps.step_tokens`) and `generate`'s loop (`runtime.graphed_generate`) call. It picks:
 - "graph": a kvtool cache on a CUDA device, every layer compressed: fixed slots, the first step run
   eagerly on a side stream (CUDA graphs want their kernels warmed up), the second captured, and every
   step from then on a replay;
@@ -70,6 +70,11 @@ class Decoder:
         self._warm = False
         self._graph: Any = None
         self._logits: torch.Tensor | None = None
+
+    @property
+    def left(self) -> int:
+        """Steps still to come out of the `steps` it was made for (fixed slots and graphs)."""
+        return self._left
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         if self.mode == "eager":

@@ -5,45 +5,60 @@
 layer hands attention the held prompt with the rows' own keys and values appended (one layer at a
 time, never stored), so the rows attend with full attention to the whole prompt and causally to each
 other, exactly as they would have at the end of the prompt's own forward. The attention function
-(attention.py) also sums the probabilities the rows give each column (`HeldLayer.scores`).
+(attention.py) also sums the probabilities the rows give each column (`HeldLayer.read`), and with
+them the layer is compressed again into a fresh cache's layer (`fill`) while its whole prompt is at
+hand: held in host memory (on a GPU), a layer's prompt comes back once per round.
 Nothing the prompt forward computed is computed again: that is the draft's whole cost saving.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvtool.runtime.importance import PromptScores
-from kvtool.runtime.layer.prompt import HeldPrompt
+from kvtool.runtime.importance import PromptScores, with_rows
+from kvtool.runtime.layer import CompressingLayer
+from kvtool.runtime.layer.held_prompt import HeldPrompt
 
 
 class HeldLayer(DynamicLayer):
-    """One layer's held prompt, read by one forward of rows that follow it."""
+    """One layer's held prompt, read by one forward of rows that follow it; with a `fill` layer, that
+    layer is compressed from the held prompt once the rows' attention has joined its scores."""
 
-    def __init__(self, held: HeldPrompt):
+    def __init__(self, held: HeldPrompt, fill: CompressingLayer | None = None):
         super().__init__()
+        self.held, self.fill = held, fill
         self.lazy_initialization(held.keys, held.values)
-        self.keys, self.values = held.keys, held.values
-        self.scores: PromptScores | None = None  # the rows' column sums, set by the attention function
+        self.device = held.device  # the layer's: on a GPU the keys may be in host memory
+        self.keys, self.values = held.keys, held.values  # their lengths are what transformers reads
+        self.scores: PromptScores | None = None  # the rows' column sums, set by `read`
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # Not stored: the forward that reads the held prompt is its only one.
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        return self.held.followed_by(key_states, value_states)
+
+    def read(self, scores: PromptScores, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The attention function's column sums of the rows over `keys` / `values` (the held prompt
+        and the rows, on the device, as `update` gave them)."""
+        self.scores = scores
+        if self.fill is not None:
+            n = self.held.length
+            here = replace(self.held, keys=keys[:, :, :n], values=values[:, :, :n], copied=None)
+            self.fill.compress_held(here, with_rows(self.held.scores, scores))
 
 
 class HeldCache(DynamicCache):
-    """One `HeldLayer` per layer (a draft needs every layer to be a kvtool layer)."""
+    """One `HeldLayer` per layer (a draft needs every layer to be a kvtool layer); with `fill` (a fresh
+    cache's `layers_to_fill`), the forward compresses each of them from its held prompt and the rows'
+    attention."""
 
-    def __init__(self, config, held: Sequence[HeldPrompt]):
+    def __init__(self, config, held: Sequence[HeldPrompt], fill: Sequence[CompressingLayer] | None = None):
         super().__init__(config=config)
         if len(self.layers) != len(held):
             raise ValueError(f"cache has {len(self.layers)} layers but {len(held)} held prompts were given")
-        self.layers = [HeldLayer(h) for h in held]
-
-    def row_scores(self) -> list[PromptScores]:
-        """Per layer, the column sums the forward's rows gave (over the prompt's columns and theirs)."""
-        return [layer.scores for layer in self.layers]
+        fill = [None] * len(held) if fill is None else fill
+        self.layers = [HeldLayer(h, f) for h, f in zip(held, fill, strict=True)]

@@ -12,26 +12,15 @@ the plan's eviction rule (`set_truncation_distance`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
+from kvtool.runtime.layer.held_prompt import HeldPrompt
 from kvtool.runtime.layer.slots import is_packed
-
-
-@dataclass(frozen=True)
-class HeldPrompt:
-    """One layer's whole prompt as its forward left it, before compression: what a draft's rows
-    attend to and what the layer compresses again once their attention has joined the scores."""
-
-    keys: torch.Tensor  # [B, Hkv, n, D]
-    values: torch.Tensor
-    token_valid: torch.Tensor  # [B, n] real (unpadded) columns
-    scores: PromptScores | None  # what the prompt pass scored (None where the layer ranks by position)
-    image: torch.Tensor | None  # [B, n] image-token positions, or None
 
 
 class PromptCompression:
@@ -98,8 +87,9 @@ class PromptCompression:
             token_valid, scores = self._drop_draft(token_valid, scores)
         if self._hold:
             # A layer that keeps everything goes on writing into these tensors' padded slots: it holds a copy.
-            copy = (lambda t: t) if self.compresses else torch.clone
-            self.held = HeldPrompt(copy(self.keys), copy(self.values), token_valid, scores, self.prompt_image)
+            self.held = HeldPrompt.hold(
+                self.keys, self.values, token_valid, scores, self.prompt_image, private=not self.compresses
+            )
         self._compress(token_valid, scores)
 
     def hold_prompt(self) -> None:
@@ -113,12 +103,14 @@ class PromptCompression:
         prompt's own, with a draft's rows added): what the prompt forward would have left here."""
         if self.is_initialized:
             raise KvtoolError("internal: a held prompt fills a fresh layer only")
-        self.lazy_initialization(held.keys, held.values)
-        copy = (lambda t: t) if self.compresses else torch.clone  # as in `compress_prompt`
-        self.keys, self.values = copy(held.keys), copy(held.values)
-        bsz, n = held.keys.shape[0], held.keys.shape[2]
+        keys, values = held.on_device()
+        self.lazy_initialization(keys, values)
+        if held.copied is None and not self.compresses:  # as in `compress_prompt`
+            keys, values = keys.clone(), values.clone()
+        self.keys, self.values = keys, values
+        bsz, n = keys.shape[0], keys.shape[2]
         self.seen = n
-        self.order = torch.arange(n, device=held.keys.device).expand(bsz, n).contiguous()
+        self.order = torch.arange(n, device=keys.device).expand(bsz, n).contiguous()
         self.prompt_image = held.image
         self._compress(held.token_valid, scores)
 
