@@ -64,13 +64,15 @@ class KvtoolCache(DynamicCache):
             layer.hold_prompt()
 
     def take_held(self) -> list[HeldPrompt]:
-        """The prompt each layer held (`hold_prompt`), handed over: the layers let go of it."""
+        """The prompt each layer held (`hold_prompt`), handed over: the layers let go of it, and
+        those whose prompt stayed in place compress it now that the forward's activations are gone."""
         held = []
         for layer in self.layers:
             if layer.held is None:
                 raise KvtoolError("internal: no held prompt: call hold_prompt() before the prompt forward")
             held.append(layer.held)
             layer.held = None
+            layer.compress_pending()
         return held
 
     def layers_to_fill(self, held: int, image_mask: torch.Tensor | None = None) -> list:

@@ -94,6 +94,7 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         self._draft = 0
         self._hold = False  # keep the whole prompt aside when it is compressed (`hold_prompt`)
         self.held = None  # that prompt (a HeldPrompt) until the cache hands it on
+        self._pending = None  # (token_valid, scores) of a held prompt compressed once its forward ends
         # The device counters while the slots are fixed (`fix_slots`, fixed.py); None: eager steps.
         self.fixed = None
 

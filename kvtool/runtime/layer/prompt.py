@@ -90,7 +90,18 @@ class PromptCompression:
             self.held = HeldPrompt.hold(
                 self.keys, self.values, token_valid, scores, self.prompt_image, private=not self.compresses
             )
+            if self.held.copied is None:
+                # The whole prompt stays where it is anyway: compressed copies made now would sit
+                # beside it under the rest of the forward's activations, above the full cache's peak.
+                self._pending = (token_valid, scores)
+                return
         self._compress(token_valid, scores)
+
+    def compress_pending(self) -> None:
+        """Compress a held prompt whose compression waited for the end of the prompt forward."""
+        if self._pending is not None:
+            (token_valid, scores), self._pending = self._pending, None
+            self._compress(token_valid, scores)
 
     def hold_prompt(self) -> None:
         """Keep the whole prompt aside (`held`) when it is compressed: the draft reads it (runtime.draft)."""
