@@ -2,9 +2,11 @@
 # The GPU check as one script (what a session with a lent GPU runs; about 6 minutes on an H100):
 #   1. (SMOKE=1) a smoke run first: cuda_check's exactness checks and one small cell at
 #      Llama-3.1-8B's shape; the script stops there if any of that failed;
-#   2. the README's table: cuda_check's exactness checks (float64 tiny Llama, CUDA-graph decode
-#      included), one layer's decode attention, both shapes with the full cache under both SDPA
-#      choices and kvtool without and with its draft, then the largest batch at 32k of kvtool
+#   2. the README's table: cuda_check's exactness checks (float64 tiny Llama: CUDA-graph decode,
+#      generate through the graph, the draft's prompts held in host memory), one layer's decode
+#      attention, both shapes with the full cache under both SDPA choices and kvtool without and
+#      with its draft (its held prompts in host memory, and on the GPU), `generate` full against
+#      kvtool at 8192 x 4, then, while the time budget lasts, the largest batch at 32k of kvtool
 #      (its prompt phase a row at a time, up to 32 rows) and of the full cache.
 # Results go to $OUT (or ./gpu-out): smoke.json, gpu.json, gpu.md.
 set -euo pipefail

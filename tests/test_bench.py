@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,8 @@ def test_json_contract_and_ratios_from_the_parts(capsys, monkeypatch, tiny_llama
         part = report[name]
         assert part["prefill_s"] > 0 and part["decode_tok_s"] > 0 and part["peak_memory_bytes"] > 0
         assert 0 < part["prompt_peak_memory_bytes"] <= part["peak_memory_bytes"]
+        assert len(part["runs"]) == report["repeat"]
+        assert statistics.median(run["prefill_s"] for run in part["runs"]) == pytest.approx(part["prefill_s"])
         # End to end includes the prompt phase, so it is below the decode rate.
         assert 0 < part["end_to_end_tok_s"] < part["decode_tok_s"]
     full, comp, ceil = report["full"], report["compressed"], report["ceiling"]

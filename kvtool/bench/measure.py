@@ -2,7 +2,8 @@
 
 The three caches run in one process on the same model and prompts: one short warm-up run each,
 then `repeat` rounds that run all three in turn (interleaved, so drift such as thermal throttling
-or a neighbour's load hits all three alike), and the median of each metric over the rounds.
+or a neighbour's load hits all three alike; each round starts with the next cache), and the median
+of each metric over the rounds, with every run kept in the report.
 
 A run is one prompt forward followed by `new_tokens` one-token greedy decode forwards in a plain
 loop (no `generate`, so the timings contain nothing but the model and the cache).
@@ -359,7 +360,10 @@ def run_bench(
                 progress(f"warm-up: {LABELS[name]}")
             measure(name, warmup_ids, min(WARMUP_NEW_TOKENS, config.new_tokens))
         for round_index in range(config.repeat):
-            for name in CACHES:  # interleaved, so drift hits all three alike
+            # Interleaved, so drift hits all three alike, and each round starts one cache later: a
+            # cache always first after the previous round's decode ran its prompt phase up to 30%
+            # slower than the same forward in another place of the round.
+            for name in CACHES[round_index % 3:] + CACHES[: round_index % 3]:
                 if progress is not None:
                     progress(f"run {round_index + 1}/{config.repeat}: {LABELS[name]}")
                 runs[name].append(measure(name, ids, config.new_tokens))

@@ -26,6 +26,12 @@ def cache_dict(stats: CacheStats) -> dict[str, Any]:
         "peak_memory_bytes": stats.peak_memory_bytes,
         "prompt_peak_memory_bytes": stats.prompt_peak_memory_bytes,
         "kv_slots": list(stats.kv_slots),
+        # Every measured run, in the order run: the spread behind each median.
+        "runs": [
+            {"prefill_s": run.prefill_s, "decode_tok_s": run.decode_tok_s, "end_to_end_tok_s": run.end_to_end_tok_s,
+             "peak_memory_bytes": run.peak_memory_bytes, "prompt_peak_memory_bytes": run.prompt_peak_memory_bytes}
+            for run in stats.runs
+        ],
     }
 
 

@@ -3,9 +3,11 @@
 While a draft runs, every layer holds its uncompressed prompt: one more copy of the full cache's keys
 and values beside the compressed cache, which on a GPU put the prompt phase's peak above the full
 cache's (docs/results.md, on a GPU). There the held keys and values go to pinned host memory instead,
-copied on a side stream while the prompt forward goes on, and come back one layer at a time: when the
-draft's forward reads that layer and when the layer is compressed again. On a CPU host memory is
-where they already are, and nothing moves.
+copied on a side stream while the prompt forward goes on, and come back one layer at a time when the
+draft's forward reads that layer (which compresses it again there: runtime.held). On a CPU they stay
+where they are, and the layer compresses its prompt only once the prompt forward has ended
+(`PromptCompression.compress_pending`), so no compressed copy sits beside it under the forward's
+activations.
 """
 
 from __future__ import annotations
@@ -55,24 +57,17 @@ class HeldPrompt:
     def length(self) -> int:
         return self.keys.shape[2]
 
-    def on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values on the layer's device (a fresh copy when they were in host memory)."""
-        if self.copied is None:
-            return self.keys, self.values
-        return self.followed_by(None, None)
-
-    def followed_by(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def followed_by(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The held keys and values with new rows' `keys` and `values` after them, on the device."""
         if self.copied is None:
             return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
         _wait(self.copied, self.device)
-        n, extra = self.length, 0 if keys is None else keys.shape[2]
+        n = self.length
         out = []
         for held, new in ((self.keys, keys), (self.values, values)):
-            whole = torch.empty(*held.shape[:2], n + extra, held.shape[3], dtype=held.dtype, device=self.device)
+            whole = torch.empty(*held.shape[:2], n + new.shape[2], held.shape[3], dtype=held.dtype, device=self.device)
             whole[:, :, :n].copy_(held, non_blocking=True)  # pinned memory: queued, the host goes on
-            if new is not None:
-                whole[:, :, n:] = new
+            whole[:, :, n:] = new
             out.append(whole)
         return out[0], out[1]
 

@@ -114,9 +114,11 @@ class PromptCompression:
         prompt's own, with a draft's rows added): what the prompt forward would have left here."""
         if self.is_initialized:
             raise KvtoolError("internal: a held prompt fills a fresh layer only")
-        keys, values = held.on_device()
+        if held.copied is not None:
+            raise KvtoolError("internal: a held prompt in host memory is compressed from its copy on the device")
+        keys, values = held.keys, held.values
         self.lazy_initialization(keys, values)
-        if held.copied is None and not self.compresses:  # as in `compress_prompt`
+        if not self.compresses:  # as in `compress_prompt`
             keys, values = keys.clone(), values.clone()
         self.keys, self.values = keys, values
         bsz, n = keys.shape[0], keys.shape[2]
