@@ -79,7 +79,7 @@ def _decode(model, cache, mode, input_ids, logits_processor, stopping_criteria, 
     pad = generation_config._pad_token_tensor
     eos_stops = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    decoder = Decoder(model, cache, max(forwards, 0), mode) if forwards > 0 else None
+    decoder = Decoder(model, cache, forwards, mode) if forwards > 0 else None
     try:
         if logits is None:
             logits = decoder(input_ids[:, -1:], position - 1)
