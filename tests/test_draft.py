@@ -338,23 +338,32 @@ def test_prompts_held_in_host_memory_prepare_the_same_cache(llama, monkeypatch):
 
     copies, waits = [], []
 
+    from kvtool.runtime.layer import pinned
+
+    pool, allocated = pinned.PinnedPool(), []
+    pool._allocate = lambda nbytes: allocated.append(nbytes) or torch.empty(nbytes, dtype=torch.uint8)
+    monkeypatch.setattr(held_prompt, "POOL", pool)
+
     def to_host(*tensors):
         copies.append(len(tensors))
-        return tuple(t.clone() for t in tensors), Copied()
+        return tuple(held_prompt.POOL.take(t.shape, t.dtype).copy_(t) for t in tensors), Copied()
 
     profile = profile_with(llama, [0.3, 1.0, 0.2], sink_tokens=1, recent_window=2, truncation_distance=3)
     plans = rules_plans(profile, **RULES["per-head-union-h2o"])
     batch = left_pad([s.tolist() for s in prompts([40, 26], seed=6)], (0, 1), 0)
     runs = []
-    for on_host in (False, True):
-        if on_host:
+    for on_host in (False, True, True):  # the second time from the first one's pinned buffers
+        if on_host and not runs[1:]:
             monkeypatch.setattr(held_prompt, "_on_host", lambda device: True)
             monkeypatch.setattr(held_prompt, "_to_host", to_host)
             monkeypatch.setattr(held_prompt, "_wait", lambda copied, device: copied.wait(device))
         with torch.no_grad(), attach(llama, profile):
             runs.append(prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True)))
-    assert copies == [2] * 3 and len(waits) == 3 * 2  # per layer: one copy out, and one copy back a round
-    (place, host) = runs
+    assert copies == [2] * 6 and len(waits) == 6 * 2  # per layer: one copy out, and one copy back a round
+    assert len(allocated) == 6 and pool.free_bytes == sum(allocated)  # given back, and taken again
+    (place, host, again) = runs
+    for a, b in zip(host.cache.layers, again.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert torch.equal(place.first_logits, host.first_logits)
     assert torch.equal(place.prefix.tokens, host.prefix.tokens) and torch.equal(place.prefix.lengths, host.prefix.lengths)
     for a, b in zip(place.cache.layers, host.cache.layers, strict=True):

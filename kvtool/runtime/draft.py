@@ -50,6 +50,7 @@ from kvtool.profiles import Draft
 from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.graphed_generate import loop_for
 from kvtool.runtime.held import HeldCache
+from kvtool.runtime.layer.held_prompt import let_go
 from kvtool.runtime.memory import too_short_to_compress
 from kvtool.runtime.steps import Prompt, prompt_forward, step_tokens
 
@@ -195,6 +196,7 @@ def prepare(model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Dr
         if draft.verify:
             prefix = verified_prefix(tokens, logits)
         del reading
+    let_go(held)
     return Prepared(cache, first, prefix)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvtool.runtime.importance import PromptScores
+from kvtool.runtime.layer.pinned import POOL
 
 # Where a GPU holds a draft's prompts: True, in pinned host memory (the prompt phase's peak then stays
 # below the full cache's); False, on the GPU (no copies: faster, one more copy of the keys and values).
@@ -72,6 +73,15 @@ class HeldPrompt:
         return out[0], out[1]
 
 
+def let_go(held: list[HeldPrompt]) -> None:
+    """The draft is done with `held`: buffers in host memory go back to the pool for the next draft
+    (`runtime.layer.pinned`), once the copies queued from them have run."""
+    on_host = [h for h in held if h.copied is not None]
+    if on_host:
+        POOL.give_back([t for h in on_host for t in (h.keys, h.values)], on_host[0].device)
+    held.clear()
+
+
 def _on_host(device: torch.device) -> bool:
     return ON_HOST and device.type == "cuda"
 
@@ -93,7 +103,7 @@ def _to_host(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
     with torch.cuda.stream(stream):
         hosts = []
         for tensor in tensors:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = POOL.take(tensor.shape, tensor.dtype, stream)
             host.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)
             hosts.append(host)
