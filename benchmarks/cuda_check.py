@@ -118,25 +118,27 @@ def graphed_generate_matches(model, profile, inputs: dict[str, torch.Tensor]) ->
 
 def held_on_host_matches(model, profile, inputs: dict[str, torch.Tensor]) -> bool:
     """The recipe's draft prepares exactly the same cache (first logits, verified prefix, kept keys
-    and values) with its held prompts in pinned host memory as with them on the GPU."""
+    and values) with its held prompts in pinned host memory as with them on the GPU, also the second
+    time, from the pinned buffers the first one gave back (`runtime.layer.pinned`)."""
     from kvtool.runtime.draft import prepare
     from kvtool.runtime.layer import held_prompt
     from kvtool.runtime.steps import Prompt
 
     runs, saved = [], held_prompt.ON_HOST
     try:
-        for on_host in (False, True):
+        for on_host in (False, True, True):
             held_prompt.ON_HOST = on_host
             with torch.inference_mode(), attach(model, profile) as handle:
                 runs.append(prepare(model, Prompt.of(inputs), handle.bare_cache, profile.method.draft))
     finally:
         held_prompt.ON_HOST = saved
-    (gpu, host) = runs
-    same = torch.equal(gpu.first_logits, host.first_logits)
-    if gpu.prefix is not None:
-        same &= torch.equal(gpu.prefix.tokens, host.prefix.tokens) and torch.equal(gpu.prefix.lengths, host.prefix.lengths)
-    for a, b in zip(gpu.cache.layers, host.cache.layers, strict=True):
-        same &= torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.valid, b.valid)
+    gpu, same = runs[0], True
+    for host in runs[1:]:
+        same &= torch.equal(gpu.first_logits, host.first_logits)
+        if gpu.prefix is not None:
+            same &= torch.equal(gpu.prefix.tokens, host.prefix.tokens) and torch.equal(gpu.prefix.lengths, host.prefix.lengths)
+        for a, b in zip(gpu.cache.layers, host.cache.layers, strict=True):
+            same &= torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.valid, b.valid)
     return bool(same)
 
 
