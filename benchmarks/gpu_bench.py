@@ -9,6 +9,8 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
 (b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
 (c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
+(c') on a GPU, (c) with the prompt pass's output and log-sum-exp from torch's fused kernel
+    (`triton_scores.FORWARD = "sdpa"`, kernels/fused_forward.py; not yet timed);
 (d) kvtool's default recipe (the same with the recipe's drafted answer, 64 tokens x 2 rounds, verified),
     its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
     them held on the GPU;
@@ -20,7 +22,8 @@ end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in
     (1024) new tokens, and its throughput: probes at 1 and 2 rows give the peak per row, the batch
     that fits by that line is run in full, and one that runs out of memory backs off.
 (f) the prompt kernels alone (kvtool.runtime.kernels.triton_scores) on one layer's q/k/v of each cell:
-    exactness against a float64 brute force at 1024 tokens, and time against torch's SDPA.
+    exactness against a float64 brute force at 1024 tokens, and time against torch's SDPA; also with
+    the output and log-sum-exp from torch's fused kernel (`forward="sdpa"`, kernels/fused_forward.py).
 (i) `--generate`: what `generate` users get at the first cell: wall time of `model.generate` (full
     cache) against `handle.generate` (kvtool without its draft; decode steps as a CUDA graph, and
     through transformers' own loop).
@@ -94,9 +97,9 @@ LAST_RUN: dict[str, tuple[int, int, float]] = {}
 RECIPE = ("smollm2", 0.2)  # the shipped recipe whose rules the kvtool cells apply uniformly
 
 # Cell names (JSON keys).
-FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU = (
+FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU, KVTOOL_SDPA_FORWARD = (
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
-    "kvtool recipe, prompt held on the GPU",
+    "kvtool recipe, prompt held on the GPU", "kvtool, no draft, sdpa forward",
 )
 
 
@@ -352,14 +355,18 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         with prompt_held_on_host(False):
             return run_kvtool(model, prompt, new_tokens, profile)
 
+    def sdpa_forward(model, prompt, new_tokens, profile):
+        with scoring_forward("sdpa"):
+            return run_kvtool(model, prompt, new_tokens, profile)
+
     others = {
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
-        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe),
+        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe), KVTOOL_SDPA_FORWARD: under(sdpa_forward, no_draft),
     }
     if not args.ceiling:
         del others[CEILING]
-    if device.type != "cuda":  # the same cell as the recipe's off a GPU
-        del others[KVTOOL_HELD_ON_GPU]
+    if device.type != "cuda":  # the same cells as the recipe's and kvtool's without a draft off a GPU
+        del others[KVTOOL_HELD_ON_GPU], others[KVTOOL_SDPA_FORWARD]
     rest = measure_cells(
         others,
         ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,
@@ -368,6 +375,19 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
     live.update({**full, **rest})
     entry["baselines"] = add_ratios(live, list(full))
     checkpoint()
+
+
+@contextlib.contextmanager
+def scoring_forward(forward: str):
+    """Which kernel gives the prompt pass's output and log-sum-exp on a GPU, for the runs inside
+    (`triton_scores.FORWARD`)."""
+    from kvtool.runtime.kernels import triton_scores
+
+    saved, triton_scores.FORWARD = triton_scores.FORWARD, forward
+    try:
+        yield
+    finally:
+        triton_scores.FORWARD = saved
 
 
 @contextlib.contextmanager
@@ -579,7 +599,18 @@ def kernel_check(
         **{f"{name}_max_rel": ((getattr(scores, name).double() - getattr(ref, name)).abs().max() / getattr(ref, name).abs().max()).item()
            for name in ("importance", "heads", "window")},
     }
+    # The fused forward (kernels/fused_forward.py) takes no padding: checked on an unpadded row.
+    out, scores = ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, forward="sdpa")
+    ref_out, ref = ts.reference_scores(q, k, v, None, head_dim**-0.5, heads=True, window=32)
+    report["exactness_sdpa_forward"] = {
+        "tokens": check_tokens,
+        "output_max_abs": (out.double() - ref_out).abs().max().item(),
+        **{f"{name}_max_rel": ((getattr(scores, name).double() - getattr(ref, name)).abs().max() / getattr(ref, name).abs().max()).item()
+           for name in ("importance", "heads", "window")},
+    }
     del q, k, v, out, scores, ref_out, ref
+    from kvtool.runtime.kernels import fused_forward
+
     timings = {}
     for tokens, batch in shapes:
         try:
@@ -590,6 +621,8 @@ def kernel_check(
                 "sdpa causal (K/V repeated)": lambda: torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True),
                 "triton fwd + column sums (heads, window 32)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32),
                 "triton fwd + column sums (importance only)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5),
+                SDPA_FWD_SUMS: lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, forward="sdpa"),
+                SDPA_FWD_ALONE: lambda: fused_forward.forward_with_lse(q, k, v, head_dim**-0.5),
             }
             cell = {name: device_time(fn, device, repeats) for name, fn in runs.items()}
             base = cell["sdpa causal (K/V repeated)"]
@@ -606,6 +639,10 @@ def kernel_check(
         report["sweep"] = block_sweep(qkv, shapes[0], head_dim, device)
     return report
 
+
+# The fused-forward cells of (f): what would change `triton_scores.FORWARD` (not yet timed on a GPU).
+SDPA_FWD_SUMS = "sdpa fwd with log-sum-exp + column sums (heads, window 32)"
+SDPA_FWD_ALONE = "sdpa fwd with log-sum-exp alone"
 
 # Tile choices `--kernel-sweep` times (fwd_m, fwd_n, warps) and (sum_m, sum_n, warps), 3 stages.
 FWD_CHOICES = ((64, 64, 4), (128, 64, 8), (64, 32, 4), (64, 64, 8), (128, 64, 4))
@@ -888,20 +925,27 @@ def markdown(report: dict[str, Any]) -> str:
                 if isinstance(entry, dict):
                     lines.append(f"| {key} | {cell['slots']} | {name} | {entry['ms']:.3f} | {entry['output_max_abs']:.2e} | {entry['probs_max_abs']:.2e} |")
     kern = report.get("kernels")
+    if kern and kern.get("exactness_sdpa_forward"):
+        ex = kern["exactness_sdpa_forward"]
+        lines += ["", f"The sdpa forward with log-sum-exp and the column sums, against float64 at {ex['tokens']} unpadded tokens: "
+                  f"output max abs {ex['output_max_abs']:.2e}, importance max rel {ex['importance_max_rel']:.2e}, "
+                  f"heads max rel {ex['heads_max_rel']:.2e}, window max rel {ex['window_max_rel']:.2e}"]
     if kern and kern.get("one_layer_s"):
         ex = kern.get("exactness", {})
         lines += ["", "Prompt kernels alone, one layer (median of 10, CUDA events); against float64 at "
                   f"{ex.get('tokens')} tokens: output max abs {ex.get('output_max_abs', float('nan')):.2e}, "
                   f"importance max rel {ex.get('importance_max_rel', float('nan')):.2e}, "
                   f"window max rel {ex.get('window_max_rel', float('nan')):.2e}:", "",
-                  "| prompt x batch | sdpa causal, ms | triton fwd + sums (heads, window), ms | x | importance only, ms | x |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| prompt x batch | sdpa causal, ms | triton fwd + sums (heads, window), ms | x | importance only, ms | x "
+                  "| sdpa fwd with log-sum-exp + sums (heads, window), ms | x | sdpa fwd with log-sum-exp alone, ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for key, cell in kern["one_layer_s"].items():
             if "error" in cell:
-                lines.append(f"| {key} | {cell['error'].splitlines()[-1]} | | | | |")
+                lines.append(f"| {key} | {cell['error'].splitlines()[-1]} | | | | | | | |")
                 continue
             a, b, c = (cell[k] for k in ("sdpa causal (K/V repeated)", "triton fwd + column sums (heads, window 32)", "triton fwd + column sums (importance only)"))
-            lines.append(f"| {key} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f}x | {c * 1e3:.2f} | {c / a:.2f}x |")
+            d, e = (cell.get(k, float("nan")) for k in (SDPA_FWD_SUMS, SDPA_FWD_ALONE))
+            lines.append(f"| {key} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f}x | {c * 1e3:.2f} | {c / a:.2f}x | {d * 1e3:.2f} | {d / a:.2f}x | {e * 1e3:.2f} |")
     if kern and kern.get("sweep"):
         sw = kern["sweep"]
         show = lambda d: ", ".join(f"{k} {v * 1e3:.2f} ms" if isinstance(v, float) else f"{k} failed" for k, v in d.items())  # noqa: E731

@@ -127,7 +127,10 @@ def test_kernel_section_in_the_interpreter(bench, monkeypatch):
     assert ex["output_max_abs"] < 1e-4 and ex["importance_max_rel"] < 1e-4 and ex["window_max_rel"] < 1e-4
     cell = report["one_layer_s"]["40x1"]
     assert "error" not in cell and set(cell["ratio_to_sdpa"]) == {
-        "triton fwd + column sums (heads, window 32)", "triton fwd + column sums (importance only)"}
+        "triton fwd + column sums (heads, window 32)", "triton fwd + column sums (importance only)",
+        bench.SDPA_FWD_SUMS, bench.SDPA_FWD_ALONE}
+    fused = report["exactness_sdpa_forward"]  # the fused forward's log-sum-exp feeding the column sums
+    assert fused["output_max_abs"] < 1e-4 and fused["importance_max_rel"] < 1e-4 and fused["window_max_rel"] < 1e-4
     table = bench.markdown({
         "device": "cpu", "shape": "tiny", "dtype": "float32", "torch": "x", "transformers": "x", "kv_budget": 0.2,
         "new_tokens": 8, "repeats": 1, "cells": [], "kernels": report, "skipped": [],

@@ -256,3 +256,41 @@ def test_a_compressed_generation_through_the_kernels_equals_the_cpu_path(monkeyp
     assert len(calls) == 2  # one prompt pass per layer, with the interpreter only
     assert kernel_kept == cpu_kept
     assert (kernel_logits - cpu_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_the_fused_sdpa_forward_feeds_the_column_sums(window):
+    """`forward="sdpa"`: torch's fused kernel's output and log-sum-exp (kernels/fused_forward.py; the
+    CPU flash kernel here, cuDNN on a GPU) feed the same column-sum kernel, with the same results;
+    a padded batch keeps the Triton forward (the fused kernels take no left padding)."""
+    from kvtool.runtime.kernels import fused_forward
+
+    query, keys, values = inputs(n_heads=6, n_kv=2, n=45, sdpa_layout=True, seed=9)
+    calls = []
+    real = fused_forward.forward_with_lse
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    fused_forward.forward_with_lse = counted
+    try:
+        unpadded = torch.zeros(2, dtype=torch.long)
+        out, scores = run(query, keys, values, None, SCALE, heads=True, window=window, forward="sdpa")
+        assert len(calls) == (0 if CUDA and query.dtype == torch.float32 else 1)
+        ref_out, importance, heads, window_sums = brute_force(query, keys, values, unpadded, SCALE, window)
+        close(out, ref_out)
+        close(scores.importance, importance)
+        close(scores.heads, heads)
+        if window:
+            close(scores.window, window_sums)
+        padded = torch.tensor([0, 7])
+        out, scores = run(query, keys, values, padded, SCALE, forward="sdpa")
+        assert len(calls) <= 1
+        ref_out, importance, _, _ = brute_force(query, keys, values, padded, SCALE, 0)
+        close(out, ref_out)
+        close(scores.importance, importance)
+    finally:
+        fused_forward.forward_with_lse = real
+    with pytest.raises(ValueError, match="unknown forward"):
+        run(query, keys, values, None, SCALE, forward="flash")

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtool.runtime.kernels import fused_forward
+
 try:  # Triton ships with CUDA builds of torch; a CPU install gets it from the `dev` extra.
     import triton
     import triton.language as tl
@@ -47,6 +49,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 LOG2E = 1.4426950408889634
+# Which kernel gives the output and the log-sum-exp: "triton" (`_attn_fwd`), or "sdpa", torch's fused
+# kernel where it applies (kernels/fused_forward.py; unpadded prompts), not yet timed on a GPU.
+FORWARD = "triton"
+FORWARDS = ("triton", "sdpa")
 # Input dtypes the kernels take (float64 has no tensor-core dot; callers keep the eager path for it).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -142,6 +148,7 @@ def attention_with_scores_triton(
     window: int = 0,
     *,
     blocks: Blocks | None = None,
+    forward: str | None = None,
 ) -> tuple[torch.Tensor, TritonScores]:
     """Causal attention of a left-padded prompt and the column sums of its probabilities.
 
@@ -149,6 +156,7 @@ def attention_with_scores_triton(
     starts: [B] integer, the first real column of each row (None: no padding). `scaling` multiplies
     q.k before the softmax. Returns the output [B, n, Hq, D] (sdpa_attention_forward's layout, the
     query's dtype, padded rows zero) and the scores (`TritonScores`; float32, padded columns 0).
+    `forward` (default `FORWARD`) picks the kernel of the output and the log-sum-exp.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -173,17 +181,23 @@ def attention_with_scores_triton(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     qk_scale = float(scaling) * LOG2E
     fwd, col_sums = _kernels()
+    forward = FORWARD if forward is None else forward
+    if forward not in FORWARDS:
+        raise ValueError(f"unknown forward {forward!r} (known: {', '.join(FORWARDS)})")
 
-    out = torch.empty(bsz, n, n_heads, head_dim, dtype=query.dtype, device=device)
-    lse = torch.empty(bsz, n_heads, n, dtype=torch.float32, device=device)
-    launch = {} if interpreting() else {"num_warps": blocks.fwd_warps, "num_stages": blocks.stages}
-    fwd[(triton.cdiv(n, blocks.fwd_m), bsz * n_heads)](
-        query, keys, values, out, lse, starts,
-        *query.stride(), *keys.stride(), *values.stride(), *out.stride(),
-        n, n_heads, groups, qk_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.fwd_m, BLOCK_N=blocks.fwd_n, PRECISION=precision,
-        **launch,
-    )
+    if forward == "sdpa" and fused_forward.applies(query, starts):
+        out, lse = fused_forward.forward_with_lse(query, keys, values, scaling)
+    else:
+        out = torch.empty(bsz, n, n_heads, head_dim, dtype=query.dtype, device=device)
+        lse = torch.empty(bsz, n_heads, n, dtype=torch.float32, device=device)
+        launch = {} if interpreting() else {"num_warps": blocks.fwd_warps, "num_stages": blocks.stages}
+        fwd[(triton.cdiv(n, blocks.fwd_m), bsz * n_heads)](
+            query, keys, values, out, lse, starts,
+            *query.stride(), *keys.stride(), *values.stride(), *out.stride(),
+            n, n_heads, groups, qk_scale,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.fwd_m, BLOCK_N=blocks.fwd_n, PRECISION=precision,
+            **launch,
+        )
 
     sums = torch.empty(bsz, n_kv_heads, n, dtype=torch.float32, device=device)
     window_sums = torch.empty_like(sums) if window > 0 else sums  # a dummy pointer when unused
