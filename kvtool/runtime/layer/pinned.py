@@ -10,6 +10,7 @@ buffers referenced, so a capture cannot free them, and hands them to the next dr
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ class PinnedPool:
     def __init__(self):
         self._free: list[torch.Tensor] = []
         self._ready: Any = None  # the event after which the free buffers' last reads have ended
+        self._lock = threading.Lock()  # drafts in two threads never take the same buffer
 
     @property
     def free_bytes(self) -> int:
@@ -33,13 +35,14 @@ class PinnedPool:
         """A pinned host tensor of `shape` and `dtype`; `stream`, the CUDA stream that will write it,
         first waits for the reads queued before the buffer came back."""
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        fits = [b for b in self._free if nbytes <= b.numel() <= SLACK * max(nbytes, 1)]
-        if fits:
-            buffer = min(fits, key=torch.Tensor.numel)
-            self._free.remove(buffer)
-            if stream is not None and self._ready is not None:
-                stream.wait_event(self._ready)
-        else:
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.numel() <= SLACK * max(nbytes, 1)]
+            buffer = min(fits, key=torch.Tensor.numel) if fits else None
+            if buffer is not None:
+                self._free.remove(buffer)
+                if stream is not None and self._ready is not None:
+                    stream.wait_event(self._ready)
+        if buffer is None:
             buffer = self._allocate(nbytes)
         return buffer[:nbytes].view(dtype).view(shape)
 
@@ -47,15 +50,17 @@ class PinnedPool:
         """`tensors` (from `take`) are no longer needed once the work queued on `device` so far has
         run. They become the free buffers; those not taken since are let go (the pool holds what the
         last draft held, no more)."""
-        self._free = [_whole(tensor) for tensor in tensors]
-        self._ready = None
+        ready = None
         if device.type == "cuda":
-            self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(device))
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        with self._lock:
+            self._free, self._ready = [_whole(tensor) for tensor in tensors], ready
 
     def clear(self) -> None:
         """Let every free buffer go (torch's host allocator unpins them)."""
-        self._free, self._ready = [], None
+        with self._lock:
+            self._free, self._ready = [], None
 
     @staticmethod
     def _allocate(nbytes: int) -> torch.Tensor:
