@@ -73,6 +73,7 @@ from kvtool.profiles.builtin import builtin_profile  # noqa: E402
 from kvtool.runtime import attach, uniform_profile  # noqa: E402
 from kvtool.runtime.attach import layer_plans  # noqa: E402
 from kvtool.runtime.graphed import Decoder  # noqa: E402
+from kvtool.runtime.kernels import triton_scores  # noqa: E402
 from kvtool.runtime.layer import held_prompt  # noqa: E402
 
 GIB = 2**30
@@ -352,11 +353,11 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         return cell
 
     def held_on_gpu(model, prompt, new_tokens, profile):
-        with prompt_held_on_host(False):
+        with setting(held_prompt, "ON_HOST", False):
             return run_kvtool(model, prompt, new_tokens, profile)
 
     def sdpa_forward(model, prompt, new_tokens, profile):
-        with scoring_forward("sdpa"):
+        with setting(triton_scores, "FORWARD", "sdpa"):
             return run_kvtool(model, prompt, new_tokens, profile)
 
     others = {
@@ -378,26 +379,15 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
 
 
 @contextlib.contextmanager
-def scoring_forward(forward: str):
-    """Which kernel gives the prompt pass's output and log-sum-exp on a GPU, for the runs inside
-    (`triton_scores.FORWARD`)."""
-    from kvtool.runtime.kernels import triton_scores
-
-    saved, triton_scores.FORWARD = triton_scores.FORWARD, forward
+def setting(module, name: str, value):
+    """`module.name` set to `value` for the runs inside: where a draft's held prompts go on a GPU
+    (`held_prompt.ON_HOST`), which kernel gives the prompt pass's output (`triton_scores.FORWARD`)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        triton_scores.FORWARD = saved
-
-
-@contextlib.contextmanager
-def prompt_held_on_host(on_host: bool):
-    """Where a draft's held prompts go on a GPU, for the runs inside (`runtime.layer.held_prompt`)."""
-    saved, held_prompt.ON_HOST = held_prompt.ON_HOST, on_host
-    try:
-        yield
-    finally:
-        held_prompt.ON_HOST = saved
+        setattr(module, name, saved)
 
 
 # ----- (i) generate: what users call -----
