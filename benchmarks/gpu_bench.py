@@ -28,8 +28,9 @@ end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in
     cache) against `handle.generate` (kvtool without its draft; decode steps as a CUDA graph, and
     through transformers' own loop).
 (g) `--profile`: torch.profiler tables (top ops by device and host time, kernel launches) of decode
-    steps and prompt phases at the first cell: what to cut next. Profiling the draft's prompt phase
-    takes minutes on a GPU.
+    steps (the graph's kernels also run eagerly, to show each one's device time) and prompt phases at
+    the first cell: what to cut next. Profiling the draft's prompt phase takes minutes on a GPU;
+    `--profile decode` profiles the decode steps alone (with `--budget-s 0`, nothing else is timed).
 It also runs the CUDA exactness checks of benchmarks/cuda_check.py (float64 tiny Llama) on a GPU.
 
 The target (issue 34): kvtool's prompt phase without a draft at most 1.3x the baseline's at 8192x4
@@ -738,7 +739,7 @@ def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any]
             del state
             log(f"profile decode {name}: {entry['launches_per_step']:.0f} launches a step, {entry['step_ms_profiled']:.1f} ms a step profiled")
         release(device)
-    for name, prof_profile in (("kvtool, no draft", no_draft), ("kvtool recipe", recipe)):
+    for name, prof_profile in (("kvtool, no draft", no_draft), ("kvtool recipe", recipe)) if args.profile != "decode" else ():
         with _recorded(report, f"prompt phase: {name}"), attach(model, prof_profile) as handle:
             draft = measure.capped(prof_profile.method.draft, args.new_tokens)
             measure.prompt_phase(model, ids[:, :WARMUP_TOKENS], handle.bare_cache, draft=draft)
@@ -981,7 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exactness", action=argparse.BooleanOptionalAction, default=None, help="cuda_check's checks; default: on a GPU")
     parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=None,
                         help="(i) generate's wall time at the first --shapes cell, full against kvtool; default: on a GPU")
-    parser.add_argument("--profile", action="store_true", help="(g) torch.profiler tables of decode steps and prompt phases at the first --shapes cell")
+    parser.add_argument("--profile", nargs="?", const="all", choices=("all", "decode"), default=None,
+                        help="(g) torch.profiler tables at the first --shapes cell: of decode steps and prompt phases, or (decode) of decode steps alone")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip whatever would start after this many seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=None)
