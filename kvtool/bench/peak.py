@@ -116,8 +116,7 @@ def track_peak(device: torch.device) -> Iterator[PeakReading]:
         try:
             yield reading
         finally:
-            torch.cuda.synchronize(device)
-            reading.bytes = int(torch.cuda.max_memory_allocated(device))
+            reading.bytes = cuda_peak()
         return
     if not _statm_available():
         reading._read = _ru_maxrss_bytes

@@ -35,7 +35,6 @@ class HeldLayer(DynamicLayer):
         self.lazy_initialization(held.keys, held.values)
         self.device = held.device  # the layer's: on a GPU the keys may be in host memory
         self.keys, self.values = held.keys, held.values  # their lengths are what transformers reads
-        self.scores: PromptScores | None = None  # the rows' column sums, set by `read`
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # Not stored: the forward that reads the held prompt is its only one.
@@ -43,8 +42,7 @@ class HeldLayer(DynamicLayer):
 
     def read(self, scores: PromptScores, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The attention function's column sums of the rows over `keys` / `values` (the held prompt
-        and the rows, on the device, as `update` gave them)."""
-        self.scores = scores
+        and the rows, on the device, as `update` gave them): they compress the `fill` layer."""
         if self.fill is not None:
             n = self.held.length
             here = replace(self.held, keys=keys[:, :, :n], values=values[:, :, :n], copied=None)
