@@ -31,6 +31,10 @@ end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in
     steps (the graph's kernels also run eagerly, to show each one's device time) and prompt phases at
     the first cell: what to cut next. Profiling the draft's prompt phase takes minutes on a GPU;
     `--profile decode` profiles the decode steps alone (with `--budget-s 0`, nothing else is timed).
+(j) `--parts`: kvtool's prompt phase by part at the first cell (`runtime.draft.PARTS`: the prompt's
+    forward, each round's draft steps and its draft rows' forward, each timed to the device's end),
+    beside the full cache's prompt forward, `--repeats` times interleaved: where the recipe's prompt
+    phase goes (`--shape smollm2 --device cpu` gives the CPU's picture at SmolLM2's shape).
 It also runs the CUDA exactness checks of benchmarks/cuda_check.py (float64 tiny Llama) on a GPU.
 
 The target (issue 34): kvtool's prompt phase without a draft at most 1.3x the baseline's at 8192x4
@@ -72,10 +76,12 @@ from kvtool.bench.measure import RunResult, run_once, truncate_like  # noqa: E40
 from kvtool.profiles import read_profile  # noqa: E402
 from kvtool.profiles.builtin import builtin_profile  # noqa: E402
 from kvtool.runtime import attach, uniform_profile  # noqa: E402
+from kvtool.runtime import draft as drafting  # noqa: E402
 from kvtool.runtime.attach import layer_plans  # noqa: E402
 from kvtool.runtime.graphed import Decoder  # noqa: E402
 from kvtool.runtime.kernels import triton_scores  # noqa: E402
 from kvtool.runtime.layer import held_prompt  # noqa: E402
+from kvtool.runtime.steps import Prompt, prompt_forward  # noqa: E402
 
 GIB = 2**30
 SHAPES: dict[str, dict[str, Any]] = {
@@ -84,6 +90,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5, max_position_embeddings=131072,
         rms_norm_eps=1e-5,
+    ),
+    # SmolLM2-135M (the embedded default model), for the CPU's picture of `--parts`.
+    "smollm2": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, rope_theta=1e5, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
     ),
     # A CPU smoke run of the script itself.
     "tiny": dict(
@@ -689,6 +701,53 @@ def device_time(fn: Callable[[], Any], device: torch.device, repeats: int = 10) 
 # ----- (g) where the time goes -----
 
 
+def prompt_parts(model, ids: torch.Tensor, args, method) -> dict[str, Any]:
+    """(j) The recipe's prompt phase by part (`drafting.PARTS`, each ended by a device sync, which
+    takes away what the parts overlap) and the full cache's prompt forward, `args.repeats` times
+    interleaved; the median seconds of each, and of the whole prompt phase."""
+    device = ids.device
+    recipe = uniform_profile(model, args.kv_budget, method)
+    draft = measure.capped(recipe.method.draft, args.new_tokens)
+    prompt = Prompt.of({"input_ids": ids})
+
+    def full() -> float:
+        _sync_device(device)
+        started = time.perf_counter()
+        prompt_forward(model, prompt, DynamicCache(config=model.config))
+        _sync_device(device)
+        return time.perf_counter() - started
+
+    def kvtool() -> dict[str, float]:
+        seconds = dict.fromkeys(drafting.PARTS, 0.0)
+
+        @contextlib.contextmanager
+        def part(name: str):
+            _sync_device(device)
+            started = time.perf_counter()
+            yield
+            _sync_device(device)
+            seconds[name] += time.perf_counter() - started
+
+        with attach(model, recipe) as handle:
+            _sync_device(device)
+            started = time.perf_counter()
+            drafting.prepare(model, prompt, handle.bare_cache, draft, part=part)
+            _sync_device(device)
+            seconds["kvtool prompt phase"] = time.perf_counter() - started
+        return seconds
+
+    with attach(model, recipe) as handle:  # warm-up: kernels, allocator caches, the CPU's block size
+        drafting.prepare(model, Prompt.of({"input_ids": ids[:, :WARMUP_TOKENS]}), handle.bare_cache, draft)
+    runs = []
+    for _ in range(args.repeats):
+        runs.append({"full prompt forward": full(), **kvtool()})
+        release(device)
+        log(f"parts: {json.dumps({k: round(v, 3) for k, v in runs[-1].items()})}")
+    median = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+    return {"prompt_tokens": ids.shape[1], "batch": ids.shape[0], "draft": dataclasses.asdict(draft) if draft else None,
+            "runs": runs, "median": median}
+
+
 def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any], steps: int = 8) -> dict[str, Any]:
     """torch.profiler over `steps` decode steps of the full cache and of kvtool without a draft, and
     over kvtool's prompt phase without and with the draft: the top ops by device time (self CPU time
@@ -880,6 +939,14 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {fmt(entry.get('prompt_peak_memory_bytes'), GIB)} | {ratio(entry, 'prompt_peak_memory_bytes')} "
                 f"| {fmt(entry.get('peak_memory_bytes'), GIB)} | {ratio(entry, 'peak_memory_bytes')} |"
             )
+    parts = report.get("parts")
+    if parts and "median" in parts:
+        median, full = parts["median"], parts["median"]["full prompt forward"]
+        lines += ["", f"The recipe's prompt phase by part at {parts['prompt_tokens']} x {parts['batch']} (draft {parts['draft']}; "
+                  f"median of {len(parts['runs'])}; x: of the full cache's prompt forward):", "", "| part | s | x |", "| --- | --- | --- |"]
+        lines += [f"| {name} | {seconds:.3f} | {seconds / full:.2f}x |" for name, seconds in median.items()]
+    elif parts:
+        lines += ["", f"prompt phase by part: {parts['error'].splitlines()[-1]}"]
     cap = report.get("capacity")
     if cap:
         lines += ["", f"Capacity at {cap['prompt_tokens']} prompt tokens, {cap['new_tokens']} new tokens:", "",
@@ -984,6 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="(i) generate's wall time at the first --shapes cell, full against kvtool; default: on a GPU")
     parser.add_argument("--profile", nargs="?", const="all", choices=("all", "decode"), default=None,
                         help="(g) torch.profiler tables at the first --shapes cell: of decode steps and prompt phases, or (decode) of decode steps alone")
+    parser.add_argument("--parts", action="store_true", help="(j) the recipe's prompt phase by part at the first --shapes cell")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip whatever would start after this many seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=None)
@@ -1045,6 +1113,16 @@ def main(argv: list[str] | None = None) -> int:
             tokens, batch = shapes[0]
             ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(4)).to(device)
             profile_steps(model, ids, args, method, report.setdefault("profile", {}))
+            del ids
+            release(device)
+            save()
+        if args.parts:
+            tokens, batch = shapes[0]
+            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(6)).to(device)
+            try:
+                report["parts"] = prompt_parts(model, ids, args, method)
+            except Exception:  # noqa: BLE001
+                report["parts"] = {"error": traceback.format_exc(limit=4)}
             del ids
             release(device)
             save()

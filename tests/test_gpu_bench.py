@@ -139,3 +139,21 @@ def test_kernel_section_in_the_interpreter(bench, monkeypatch):
     sweep = report["sweep"]
     assert isinstance(sweep["forward_tiles_s"]["32x16/4"], float) and "failed" in table
     assert isinstance(sweep["column_sum_tiles_s"]["16x32/4"], float)
+
+
+def test_prompt_phase_by_part(bench, tmp_path, capsys):
+    """(j): every part of the draft's prompt phase is timed, the parts add up to the whole (nothing
+    outside them), and the table shows each against the full cache's prompt forward."""
+    report_path = tmp_path / "report.json"
+    code = bench.main(["--shape", "tiny", "--shapes", "64x2", "--repeats", "2", "--no-capacity", "--parts",
+                       "--budget-s", "0", "--json", str(report_path)])
+    assert code == 0
+    parts = json.loads(report_path.read_text())["parts"]
+    assert "error" not in parts, parts.get("error")
+    assert parts["draft"] == {"tokens": 8, "rounds": 2, "verify": True}
+    assert len(parts["runs"]) == 2
+    for run in parts["runs"]:
+        assert set(run) == {"full prompt forward", "kvtool prompt phase", *bench.drafting.PARTS}
+        assert all(run[name] > 0 for name in bench.drafting.PARTS)
+        assert sum(run[name] for name in bench.drafting.PARTS) == pytest.approx(run["kvtool prompt phase"], rel=0.1)
+    assert "| draft steps |" in capsys.readouterr().out

@@ -37,6 +37,7 @@ logits-processor hook; the scoring engine's steps call `Verified.choose`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -172,32 +173,52 @@ def with_draft(prompt: Prompt, draft: torch.Tensor) -> Prompt:
     )
 
 
-def prepare(model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Draft | None) -> Prepared:
+def prepare(
+    model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Draft | None, *, part: Callable[[str], Any] | None = None
+) -> Prepared:
     """The prompt of `prompt` in a fresh cache from `make_cache`, compressed with `draft`'s attention
     in its scores (`draft.rounds` times, each draft through the last round's cache; `draft.verify`:
     each from the last round's verified prefix on); None is the plain prompt forward.
 
     The prompt runs once: its layers hold their whole prompt aside (`KvtoolCache.hold_prompt`), each
     round's draft is one forward of `draft.tokens` rows over it (`HeldCache`), and the next cache is
-    compressed from it with their attention added, in that forward (`runtime.held`)."""
+    compressed from it with their attention added, in that forward (`runtime.held`). `part(name)`, a
+    context manager, wraps each of PARTS as it runs (benchmarks time them by it)."""
+    part = part or _no_timing
     cache = make_cache()
     if draft is None:
-        return Prepared(cache, prompt_forward(model, prompt, cache))
+        with part(PROMPT_FORWARD):
+            return Prepared(cache, prompt_forward(model, prompt, cache))
     cache.hold_prompt()
-    first = prompt_forward(model, prompt, cache)
-    held, image_mask = cache.take_held(), cache.image_mask
+    with part(PROMPT_FORWARD):
+        first = prompt_forward(model, prompt, cache)
+        held, image_mask = cache.take_held(), cache.image_mask  # the first round's cache compresses here
     prefix = None
     for _ in range(draft.rounds):
-        tokens = drafted(model, cache, first, prompt, draft.tokens, prefix).cpu()
+        with part(DRAFT_STEPS):
+            tokens = drafted(model, cache, first, prompt, draft.tokens, prefix).cpu()
         del cache  # the draft's cache goes before the next one fills
-        cache = make_cache()
-        reading = HeldCache(model.config, held, cache.layers_to_fill(len(held), image_mask))
-        logits = draft_logits(model, prompt, tokens, reading, draft.tokens if draft.verify else 1)
-        if draft.verify:
-            prefix = verified_prefix(tokens, logits)
-        del reading
+        with part(DRAFT_ROWS):
+            cache = make_cache()
+            reading = HeldCache(model.config, held, cache.layers_to_fill(len(held), image_mask))
+            logits = draft_logits(model, prompt, tokens, reading, draft.tokens if draft.verify else 1)
+            if draft.verify:
+                prefix = verified_prefix(tokens, logits)
+            del reading
     let_go(held)
     return Prepared(cache, first, prefix)
+
+
+# The parts of `prepare`, as `part` names them: the prompt's forward (its scoring and the first
+# compression included), each round's greedy steps through the compressed cache, and each round's forward of the
+# draft's rows over the held prompt (the next cache compressed in it, the draft verified by it).
+PROMPT_FORWARD, DRAFT_STEPS, DRAFT_ROWS = "prompt forward", "draft steps", "draft rows' forward"
+PARTS = (PROMPT_FORWARD, DRAFT_STEPS, DRAFT_ROWS)
+
+
+@contextlib.contextmanager
+def _no_timing(name: str):
+    yield
 
 
 def draft_logits(model: Any, prompt: Prompt, draft: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
