@@ -79,6 +79,7 @@ from kvtool.runtime import attach, uniform_profile  # noqa: E402
 from kvtool.runtime import draft as drafting  # noqa: E402
 from kvtool.runtime.attach import layer_plans  # noqa: E402
 from kvtool.runtime.graphed import Decoder  # noqa: E402
+from kvtool.runtime.importance import tune_blocks  # noqa: E402
 from kvtool.runtime.kernels import triton_scores  # noqa: E402
 from kvtool.runtime.layer import held_prompt  # noqa: E402
 from kvtool.runtime.steps import Prompt, prompt_forward  # noqa: E402
@@ -736,7 +737,11 @@ def prompt_parts(model, ids: torch.Tensor, args, method) -> dict[str, Any]:
             seconds["kvtool prompt phase"] = time.perf_counter() - started
         return seconds
 
-    with attach(model, recipe) as handle:  # warm-up: kernels, allocator caches, the CPU's block size
+    if device.type == "cpu":  # the CPU path's block size, measured before the timed runs (as kvtool bench does)
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        tune_blocks(config.num_attention_heads, config.num_key_value_heads, head_dim, ids.shape[1], next(model.parameters()).dtype)
+    with attach(model, recipe) as handle:  # warm-up: kernels, allocator caches
         drafting.prepare(model, Prompt.of({"input_ids": ids[:, :WARMUP_TOKENS]}), handle.bare_cache, draft)
     runs = []
     for _ in range(args.repeats):

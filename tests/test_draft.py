@@ -138,6 +138,38 @@ def test_the_prompt_runs_once_and_the_draft_reads_it_held(llama, verify):
         assert ready.prefix is not None and (ready.prefix.lengths >= 1).all()
 
 
+def test_prepare_names_each_part_as_it_runs(llama):
+    """`part` wraps every forward `prepare` runs, each in the part it belongs to (what benchmarks time
+    by it): the prompt's forward, then per round the one-token steps and the draft rows' forward."""
+    import contextlib
+
+    from kvtool.runtime import draft as drafting
+
+    profile = recipe_profile(llama)
+    plans = rules_plans(profile, **RULES["per-head-union-h2o"])
+    batch = left_pad([s.tolist() for s in prompts([40, 26], seed=5)], (0, 1), 0)
+    current, seen, order = [None], [], []
+
+    @contextlib.contextmanager
+    def part(name):
+        current[0] = name
+        order.append(name)
+        yield
+        current[0] = None
+
+    hook = llama.register_forward_pre_hook(lambda m, a, kw: seen.append((current[0], kw["input_ids"].shape[1])), with_kwargs=True)
+    try:
+        with torch.no_grad(), attach(llama, profile):
+            prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True), part=part)
+            prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), None, part=part)
+    finally:
+        hook.remove()
+    assert order == [drafting.PROMPT_FORWARD, *[drafting.DRAFT_STEPS, drafting.DRAFT_ROWS] * 2, drafting.PROMPT_FORWARD]
+    width = batch.input_ids.shape[1]
+    assert seen == [(drafting.PROMPT_FORWARD, width), *([(drafting.DRAFT_STEPS, 1)] * (K - 1) + [(drafting.DRAFT_ROWS, K)]) * 2,
+                    (drafting.PROMPT_FORWARD, width)]
+
+
 def test_the_draft_rows_logits_equal_the_appended_forward(llama):
     """The draft's forward over the held prompt gives the logits the prompt's forward with the draft
     appended gives at the draft's positions (full attention over the whole prompt)."""
