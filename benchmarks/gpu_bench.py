@@ -705,7 +705,8 @@ def device_time(fn: Callable[[], Any], device: torch.device, repeats: int = 10) 
 def prompt_parts(model, ids: torch.Tensor, args, method) -> dict[str, Any]:
     """(j) The recipe's prompt phase by part (`drafting.PARTS`, each ended by a device sync, which
     takes away what the parts overlap) and the full cache's prompt forward, `args.repeats` times
-    interleaved; the median seconds of each, and of the whole prompt phase."""
+    interleaved, each repeat starting with the other; the median seconds of each, and of the whole
+    prompt phase."""
     device = ids.device
     recipe = uniform_profile(model, args.kv_budget, method)
     draft = measure.capped(recipe.method.draft, args.new_tokens)
@@ -744,8 +745,13 @@ def prompt_parts(model, ids: torch.Tensor, args, method) -> dict[str, Any]:
     with attach(model, recipe) as handle:  # warm-up: kernels, allocator caches
         drafting.prepare(model, Prompt.of({"input_ids": ids[:, :WARMUP_TOKENS]}), handle.bare_cache, draft)
     runs = []
-    for _ in range(args.repeats):
-        runs.append({"full prompt forward": full(), **kvtool()})
+    for repeat in range(args.repeats):
+        # Each repeat starts with the other one: a process's first wide forward runs slower (docs/results.md).
+        if repeat % 2:
+            parts = kvtool()
+            runs.append({"full prompt forward": full(), **parts})
+        else:
+            runs.append({"full prompt forward": full(), **kvtool()})
         release(device)
         log(f"parts: {json.dumps({k: round(v, 3) for k, v in runs[-1].items()})}")
     median = {name: statistics.median(run[name] for run in runs) for name in runs[0]}

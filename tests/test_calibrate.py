@@ -621,7 +621,8 @@ def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel
 
 
 def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_one(tiny: LoadedModel, monkeypatch) -> None:
-    """The ladder: one round fewer, then half the tokens down to 8, then none; the first draft within
+    """The ladder: half the tokens down to 32, then one round fewer, then half the tokens down to 8,
+    then none; the first draft within
     the limit ships, and the profile records its measured overhead and the limit (canned overheads:
     the measurement itself is a benchmark's business, not a test's)."""
     from kvtool.calibrate import cost
@@ -630,6 +631,10 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
     assert cost.cheaper_drafts(Draft(32, 3, True)) == [
         Draft(32, 3, True), Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
     ]
+    assert cost.cheaper_drafts(Draft(64, 2, True)) == [
+        Draft(64, 2, True), Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
+    ]
+    assert cost.cheaper_drafts(Draft(128, 1, False))[:3] == [Draft(128, 1, False), Draft(64, 1, False), Draft(32, 1, False)]
     overheads = {Draft(32, 2, True): 5.0, Draft(32, 1, True): 3.5, Draft(16, 1, True): 2.5, Draft(8, 1, True): 1.8, None: 1.1}
     measured = []
 

@@ -181,7 +181,7 @@ def calibrate_command(
             "--max-prompt-overhead",
             help="The most the prompt phase may cost, as a multiple of the full cache's prompt forward, measured on "
             "the calibration prompts with the profile's draft: a draft over it gives way to the next cheaper one "
-            "that fits (one round fewer, then half the tokens, then none). 'none': measure and record only. The "
+            "that fits (half the tokens down to 32, then one round fewer, then half the tokens, then none). 'none': measure and record only. The "
             "profile records the measured overhead; `kvtool inspect profile` shows it.",
         ),
     ] = "4",  # kvtool.calibrate.config.DEFAULT_MAX_PROMPT_OVERHEAD (a test keeps them equal)
