@@ -184,7 +184,7 @@ def prepare(
     round's draft is one forward of `draft.tokens` rows over it (`HeldCache`), and the next cache is
     compressed from it with their attention added, in that forward (`runtime.held`). `part(name)`, a
     context manager, wraps each of PARTS as it runs (benchmarks time them by it)."""
-    part = part or _no_timing
+    part = part or contextlib.nullcontext
     cache = make_cache()
     if draft is None:
         with part(PROMPT_FORWARD):
@@ -214,11 +214,6 @@ def prepare(
 # draft's rows over the held prompt (the next cache compressed in it, the draft verified by it).
 PROMPT_FORWARD, DRAFT_STEPS, DRAFT_ROWS = "prompt forward", "draft steps", "draft rows' forward"
 PARTS = (PROMPT_FORWARD, DRAFT_STEPS, DRAFT_ROWS)
-
-
-@contextlib.contextmanager
-def _no_timing(name: str):
-    yield
 
 
 def draft_logits(model: Any, prompt: Prompt, draft: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:
