@@ -1037,6 +1037,12 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def first_cell_ids(model, shapes: list[tuple[int, int]], seed: int, device: torch.device) -> torch.Tensor:
+    """Random prompt ids of the first --shapes cell (the sections that run at it: profile, parts, generate)."""
+    tokens, batch = shapes[0]
+    return torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -1121,15 +1127,13 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         if args.profile:
-            tokens, batch = shapes[0]
-            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(4)).to(device)
+            ids = first_cell_ids(model, shapes, 4, device)
             profile_steps(model, ids, args, method, report.setdefault("profile", {}))
             del ids
             release(device)
             save()
         if args.parts:
-            tokens, batch = shapes[0]
-            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(6)).to(device)
+            ids = first_cell_ids(model, shapes, 6, device)
             try:
                 report["parts"] = prompt_parts(model, ids, args, method)
             except Exception:  # noqa: BLE001
@@ -1146,8 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
             release(device)
             save()
         if args.generate if args.generate is not None else on_gpu:
-            tokens, batch = shapes[0]
-            ids = torch.randint(3, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(5)).to(device)
+            ids = first_cell_ids(model, shapes, 5, device)
             try:
                 report["generate"] = generate_cells(model, ids, args, method)
             except Exception:  # noqa: BLE001
