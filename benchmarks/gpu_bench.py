@@ -9,8 +9,8 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
 (b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
 (c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
-(c') on a GPU, (c) with the prompt pass's output and log-sum-exp from torch's fused kernel
-    (`triton_scores.FORWARD = "sdpa"`, kernels/fused_forward.py; not yet timed);
+(c') on a GPU, (c) with the prompt pass's output and log-sum-exp from kvtool's Triton kernel
+    (`triton_scores.FORWARD = "triton"`) instead of torch's fused one (kernels/fused_forward.py, the default);
 (d) kvtool's default recipe (the same with the recipe's drafted answer, 64 tokens x 2 rounds, verified),
     its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
     them held on the GPU;
@@ -30,7 +30,8 @@ end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in
 (g) `--profile`: torch.profiler tables (top ops by device and host time, kernel launches) of decode
     steps (the graph's kernels also run eagerly, to show each one's device time) and prompt phases at
     the first cell: what to cut next. Profiling the draft's prompt phase takes minutes on a GPU;
-    `--profile decode` profiles the decode steps alone (with `--budget-s 0`, nothing else is timed).
+    `--profile decode` profiles the decode steps alone (with `--budget-s 0`, nothing else is timed);
+    `--profile parts` each part of the recipe's prompt phase (its first round) alone.
 (j) `--parts`: kvtool's prompt phase by part at the first cell (`runtime.draft.PARTS`: the prompt's
     forward, each round's draft steps and its draft rows' forward, each timed to the device's end),
     beside the full cache's prompt forward, `--repeats` times interleaved: where the recipe's prompt
@@ -112,9 +113,9 @@ LAST_RUN: dict[str, tuple[int, int, float]] = {}
 RECIPE = ("smollm2", 0.2)  # the shipped recipe whose rules the kvtool cells apply uniformly
 
 # Cell names (JSON keys).
-FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU, KVTOOL_SDPA_FORWARD = (
+FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU, KVTOOL_TRITON_FORWARD = (
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
-    "kvtool recipe, prompt held on the GPU", "kvtool, no draft, sdpa forward",
+    "kvtool recipe, prompt held on the GPU", "kvtool, no draft, Triton forward",
 )
 
 
@@ -370,18 +371,18 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         with setting(held_prompt, "ON_HOST", False):
             return run_kvtool(model, prompt, new_tokens, profile)
 
-    def sdpa_forward(model, prompt, new_tokens, profile):
-        with setting(triton_scores, "FORWARD", "sdpa"):
+    def triton_forward(model, prompt, new_tokens, profile):
+        with setting(triton_scores, "FORWARD", "triton"):
             return run_kvtool(model, prompt, new_tokens, profile)
 
     others = {
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
-        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe), KVTOOL_SDPA_FORWARD: under(sdpa_forward, no_draft),
+        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe), KVTOOL_TRITON_FORWARD: under(triton_forward, no_draft),
     }
     if not args.ceiling:
         del others[CEILING]
     if device.type != "cuda":  # the same cells as the recipe's and kvtool's without a draft off a GPU
-        del others[KVTOOL_HELD_ON_GPU], others[KVTOOL_SDPA_FORWARD]
+        del others[KVTOOL_HELD_ON_GPU], others[KVTOOL_TRITON_FORWARD]
     rest = measure_cells(
         others,
         ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,
@@ -595,7 +596,7 @@ def kernel_check(
 
     q, k, v = qkv(1, check_tokens)
     starts = torch.tensor([min(100, check_tokens // 4)], device=device)
-    out, scores = ts.attention_with_scores_triton(q, k, v, starts, head_dim**-0.5, heads=True, window=32)
+    out, scores = ts.attention_with_scores_triton(q, k, v, starts, head_dim**-0.5, heads=True, window=32, forward="triton")
     ref_out, ref = ts.reference_scores(q, k, v, starts, head_dim**-0.5, heads=True, window=32)
     report["exactness"] = {
         "tokens": check_tokens,
@@ -623,8 +624,8 @@ def kernel_check(
             k_rep, v_rep = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))
             runs = {
                 "sdpa causal (K/V repeated)": lambda: torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True),
-                "triton fwd + column sums (heads, window 32)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32),
-                "triton fwd + column sums (importance only)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5),
+                "triton fwd + column sums (heads, window 32)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, forward="triton"),
+                "triton fwd + column sums (importance only)": lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, forward="triton"),
                 SDPA_FWD_SUMS: lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, forward="sdpa"),
                 SDPA_FWD_ALONE: lambda: fused_forward.forward_with_lse(q, k, v, head_dim**-0.5),
             }
@@ -644,7 +645,7 @@ def kernel_check(
     return report
 
 
-# The fused-forward cells of (f): what would change `triton_scores.FORWARD` (not yet timed on a GPU).
+# The fused-forward cells of (f): torch's fused forward (`triton_scores.FORWARD`'s default) against the Triton one.
 SDPA_FWD_SUMS = "sdpa fwd with log-sum-exp + column sums (heads, window 32)"
 SDPA_FWD_ALONE = "sdpa fwd with log-sum-exp alone"
 
@@ -666,7 +667,7 @@ def block_sweep(qkv, shape: tuple[int, int], head_dim: int, device: torch.device
     def timed(base: "ts.Blocks", **tiles: int) -> float | str:
         try:
             blocks = dataclasses.replace(base, **tiles)
-            return device_time(lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, blocks=blocks), device, 5)
+            return device_time(lambda: ts.attention_with_scores_triton(q, k, v, None, head_dim**-0.5, heads=True, window=32, blocks=blocks, forward="triton"), device, 5)
         except Exception as error:  # noqa: BLE001 - e.g. out of shared memory for a tile
             return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
 
@@ -775,8 +776,8 @@ def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any]
         events = prof.key_averages()
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         return {
-            "by_device_time": events.table(sort_by=key, row_limit=18, max_name_column_width=60),
-            "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60),
+            "by_device_time": events.table(sort_by=key, row_limit=25, max_name_column_width=70),
+            "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
             "launches": launches,
         }
 
@@ -789,7 +790,7 @@ def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any]
         "kvtool, no draft": (no_draft, None, "auto"),
         "kvtool, no draft, the graph's kernels run eagerly": (no_draft, None, "fixed"),
     }
-    for name, (prof_profile, make, mode) in caches.items():
+    for name, (prof_profile, make, mode) in caches.items() if args.profile in ("all", "decode") else ():
         context = attach(model, prof_profile) if prof_profile is not None else contextlib.nullcontext(None)
         with _recorded(report, f"decode: {name}"), context as handle:
             state = measure.prompt_phase(model, ids, make or handle.bare_cache)
@@ -809,7 +810,7 @@ def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any]
             del state
             log(f"profile decode {name}: {entry['launches_per_step']:.0f} launches a step, {entry['step_ms_profiled']:.1f} ms a step profiled")
         release(device)
-    for name, prof_profile in (("kvtool, no draft", no_draft), ("kvtool recipe", recipe)) if args.profile != "decode" else ():
+    for name, prof_profile in (("kvtool, no draft", no_draft), ("kvtool recipe", recipe)) if args.profile == "all" else ():
         with _recorded(report, f"prompt phase: {name}"), attach(model, prof_profile) as handle:
             draft = measure.capped(prof_profile.method.draft, args.new_tokens)
             measure.prompt_phase(model, ids[:, :WARMUP_TOKENS], handle.bare_cache, draft=draft)
@@ -823,6 +824,31 @@ def profile_steps(model, ids: torch.Tensor, args, method, report: dict[str, Any]
             report[f"prompt phase: {name}"] = entry
             del state
             log(f"profile prompt phase {name}: {entry['seconds_profiled']:.2f} s profiled, {entry['launches']} launches")
+        release(device)
+    if args.profile == "parts":
+        with _recorded(report, "prompt phase by part"), attach(model, recipe) as handle:
+            draft = measure.capped(recipe.method.draft, args.new_tokens)
+            prompt = Prompt.of({"input_ids": ids})
+            drafting.prepare(model, prompt, handle.bare_cache, draft)  # warm-up at full size (pinned pool)
+            release(device)
+
+            @contextlib.contextmanager
+            def part(name: str):
+                # Each part's first time (round 1) only: round 2 runs the same ops.
+                if f"part: {name}" in report:
+                    yield
+                    return
+                _sync_device(device)
+                started = time.perf_counter()
+                with profile(activities=activities) as prof:
+                    yield
+                    _sync_device(device)
+                entry = tables(prof)
+                entry["seconds_profiled"] = time.perf_counter() - started
+                report[f"part: {name}"] = entry
+                log(f"profile part {name}: {entry['seconds_profiled']:.2f} s profiled, {entry['launches']} launches")
+
+            drafting.prepare(model, prompt, handle.bare_cache, draft, part=part)
         release(device)
     return report
 
@@ -1066,8 +1092,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exactness", action=argparse.BooleanOptionalAction, default=None, help="cuda_check's checks; default: on a GPU")
     parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=None,
                         help="(i) generate's wall time at the first --shapes cell, full against kvtool; default: on a GPU")
-    parser.add_argument("--profile", nargs="?", const="all", choices=("all", "decode"), default=None,
-                        help="(g) torch.profiler tables at the first --shapes cell: of decode steps and prompt phases, or (decode) of decode steps alone")
+    parser.add_argument("--profile", nargs="?", const="all", choices=("all", "decode", "parts"), default=None,
+                        help="(g) torch.profiler tables at the first --shapes cell: of decode steps and prompt phases, (decode) of decode steps alone, or (parts) of each part of the recipe's prompt phase")
     parser.add_argument("--parts", action="store_true", help="(j) the recipe's prompt phase by part at the first --shapes cell")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip whatever would start after this many seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -71,12 +71,9 @@ def test_fused_kernel_matches_brute_force_over_several_row_blocks(dtype, real):
         assert received[b].sum().item() == pytest.approx(real[b], rel=1e-6)
 
 
-@pytest.mark.parametrize("real", [[600], [600, 563, 300, 40]], ids=["unpadded", "left-padded"])
-def test_rows_over_a_held_prompt_take_the_cpu_path_and_match_brute_force(real, monkeypatch):
-    """A draft's rows over a held prompt (runtime.held): the last 70 of the positions as queries,
-    the whole prompt and the rows as keys. The CPU path scores those rows alone, one sequence at a
-    time, and equals the full pass's last rows and those rows' column sums."""
-    rows = 70
+def _held_rows_case(real: list[int], rows: int = 70):
+    """A draft's rows over a held prompt (runtime.held): the last `rows` of the positions as queries,
+    the whole prompt and the rows as keys; the inputs and the brute-force output and column sums."""
     n = max(real) + rows
     g = torch.Generator().manual_seed(12)
     q = torch.randn(len(real), HEADS, n, DIM, generator=g, dtype=torch.float64)
@@ -96,7 +93,15 @@ def test_rows_over_a_held_prompt_take_the_cpu_path_and_match_brute_force(real, m
             scores = q[b, h, -rows:] @ k[b, kv, start:].T * SCALE
             scores[:, -rows:] = scores[:, -rows:].masked_fill(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
             want_sums[b, start:] += torch.softmax(scores, dim=-1).sum(dim=0) / HEADS
+    return q, k, v, mask, want_out, want_sums
 
+
+@pytest.mark.parametrize("real", [[600], [600, 563, 300, 40]], ids=["unpadded", "left-padded"])
+def test_rows_over_a_held_prompt_take_the_cpu_path_and_match_brute_force(real, monkeypatch):
+    """The CPU path scores a draft's rows alone, one sequence at a time, and equals the full pass's
+    last rows and those rows' column sums."""
+    rows = 70
+    q, k, v, mask, want_out, want_sums = _held_rows_case(real, rows)
     from kvtool.runtime.importance import chunked
 
     monkeypatch.setattr(chunked, "chunked_scores", lambda *a, **k: pytest.fail("took the portable path"))
@@ -106,6 +111,25 @@ def test_rows_over_a_held_prompt_take_the_cpu_path_and_match_brute_force(real, m
     assert torch.allclose(scores.importance, want_sums, atol=1e-12, rtol=0)
     assert torch.allclose(scores.heads.mean(dim=1), want_sums, atol=1e-12, rtol=0)
     assert scores.importance.sum().item() == pytest.approx(rows * len(real))
+
+
+@pytest.mark.parametrize("chunk", ["gpu", "rows of 3"])
+@pytest.mark.parametrize("real", [[600], [600, 563, 300, 40]], ids=["unpadded", "left-padded"])
+def test_rows_over_a_held_prompt_on_the_portable_path_match_brute_force(real, chunk):
+    """What a GPU runs for a draft's rows (the Triton kernels are square): the portable path, in one
+    chunk of a GPU's size or in many, each group of query heads as one matrix against its KV head."""
+    from kvtool.runtime.importance import chunked
+
+    rows = 70
+    q, k, v, mask, want_out, want_sums = _held_rows_case(real, rows)
+    elements = chunked.GPU_CHUNK_ELEMENTS if chunk == "gpu" else 3 * len(real) * HEADS * k.shape[2]
+    out, scores = chunked.chunked_scores(q[:, :, -rows:], k, v, mask, SCALE, elements, ScoreRequest(heads=True, window=8))
+    assert torch.allclose(out, want_out[:, -rows:], atol=1e-12, rtol=0)
+    assert torch.allclose(scores.importance, want_sums, atol=1e-12, rtol=0)
+    assert torch.allclose(scores.heads.mean(dim=1), want_sums, atol=1e-12, rtol=0)
+    # The window is the last 8 rows: the column sums of those rows alone.
+    _, last = chunked.chunked_scores(q[:, :, -8:], k, v, mask[:, :, -8:], SCALE, elements, ScoreRequest(heads=True))
+    assert torch.allclose(scores.window, last.heads, atol=1e-12, rtol=0)
 
 
 def test_keep_everything_through_the_fused_path_equals_the_full_cache(monkeypatch):

@@ -116,7 +116,7 @@ def _attend_held(layer: HeldLayer, module, query, key, value, attention_mask, dr
         return output, None
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    _, scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.CHUNK_ELEMENTS, request)
+    _, scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.chunk_elements(query.device), request)
     layer.read(scores, key, value)
     return out
 

@@ -1,5 +1,10 @@
 """The prompt pass's portable path (any device, any dtype, any mask): all sequences at once, in
-chunks of query rows, each chunk's scores at most CHUNK_ELEMENTS."""
+chunks of query rows, each chunk's scores at most `chunk_elements(device)`.
+
+On a GPU it is what a draft's rows over a held prompt take (k rows against n + k keys, which the
+Triton kernels, square by design, do not serve). There chunks sized for a CPU cost more than the
+arithmetic: 64 rows over 8192 x 4 keys took 5 chunks a layer, and the draft's rows' forward 0.65 s a
+round on an H100 (docs/results.md), so a GPU's chunks are wider (GPU_CHUNK_ELEMENTS)."""
 
 from __future__ import annotations
 
@@ -7,9 +12,16 @@ import torch
 
 from kvtool.runtime.importance.scores import NO_EXTRAS, PromptScores, ScoreRequest, accumulation_dtype
 
-# Elements of one chunk's score tensor on the portable path; 2**24 floats = 64 MiB in float32.
-# Read when a call starts (not bound as a default), so a test can shrink it to force many chunks.
+# Elements of one chunk's score tensor on the portable path; 2**24 floats = 64 MiB in float32, and on
+# a GPU 2**27 (512 MiB: a draft's 64 rows over 32768 x 2 keys in one chunk). Read when a call starts
+# (not bound as a default), so a test can shrink them to force many chunks.
 CHUNK_ELEMENTS = 2**24
+GPU_CHUNK_ELEMENTS = 2**27
+
+
+def chunk_elements(device: torch.device) -> int:
+    """The score elements of one chunk on `device`."""
+    return GPU_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
 
 
 def chunked_attention(
@@ -39,10 +51,11 @@ def chunked_scores(
     groups = n_heads // n_kv_heads
     acc = accumulation_dtype(query.dtype)
     device = query.device
-    # GQA: group query heads under their KV head, so keys are never repeated in memory.
+    # GQA: a chunk's rows of every query head of a group are one matrix against their KV head's keys,
+    # so keys and values are never repeated in memory (a broadcast matmul would copy them per head).
     # The scale is folded into the query once instead of into every chunk of scores.
     q = (query.to(acc) * scaling).reshape(bsz, n_kv_heads, groups, n_q, head_dim)
-    k_t = keys.to(acc).unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, n_k]
+    k_t = keys.to(acc).transpose(-1, -2)  # [B, Hkv, D, n_k]
     v = None
     out = None
     if values is not None:
@@ -51,7 +64,6 @@ def chunked_scores(
             # Padded positions may hold NaN from earlier layers; 0 * NaN would leak into real rows.
             key_real = mask[:, 0].any(dim=1)  # [B, n_k]: some row may attend to it
             v = v.masked_fill(~key_real[:, None, :, None], 0.0)
-        v = v.unsqueeze(2)  # [B, Hkv, 1, n_k, D]
         out = torch.empty(bsz, n_kv_heads, groups, n_q, values.shape[-1], dtype=acc, device=device)
     offset = n_k - n_q  # queries are the last n_q positions
     total = torch.zeros(bsz, n_k, dtype=acc, device=device)
@@ -67,7 +79,9 @@ def chunked_scores(
         if mask is not None and end < n_k and bool(mask[:, :, r0:r1, end:].any()):
             # Not causal: Gemma 3's image tokens attend to the whole image block, later ones included.
             end = n_k
-        scores = torch.matmul(q[:, :, :, r0:r1], k_t[..., :end])  # [B, Hkv, g, c, end]
+        c = r1 - r0
+        rows_q = q[:, :, :, r0:r1].reshape(bsz, n_kv_heads, groups * c, head_dim)
+        scores = torch.matmul(rows_q, k_t[..., :end]).view(bsz, n_kv_heads, groups, c, end)
         if mask is not None:
             allowed = mask[:, :, r0:r1, :end]  # [B, 1, c, end]
             scores.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
@@ -91,7 +105,8 @@ def chunked_scores(
             rows_in = in_window[:, None, None, r0:r1, None].to(acc)  # [B, 1, 1, c, 1]
             window[:, :, :end] += (probs * rows_in).sum(dim=(2, 3))
         if out is not None:
-            out[:, :, :, r0:r1] = torch.matmul(probs, v[:, :, :, :end])
+            flat = probs.reshape(bsz, n_kv_heads, groups * c, end)
+            out[:, :, :, r0:r1] = torch.matmul(flat, v[:, :, :end]).view(bsz, n_kv_heads, groups, c, -1)
     if out is not None:
         out = out.reshape(bsz, n_heads, n_q, -1).transpose(1, 2).contiguous().to(query.dtype)
     heads = None if heads is None else heads / groups

@@ -64,7 +64,7 @@ def prompt_scores(
         fused = cpu_path.blocked_attention(query, keys, keys[..., :0], mask, scaling, request)
         if fused is not None:
             return fused[1]
-    return chunked.chunked_scores(query, keys, None, mask, scaling, chunked.CHUNK_ELEMENTS, request)[1]
+    return chunked.chunked_scores(query, keys, None, mask, scaling, chunked.chunk_elements(query.device), request)[1]
 
 
 def attention_with_importance(
@@ -103,4 +103,4 @@ def attention_with_scores(
         fused = cpu_path.blocked_attention(query, keys, values, mask, scaling, request)
         if fused is not None:
             return fused
-    return chunked.chunked_scores(query, keys, values, mask, scaling, chunked.CHUNK_ELEMENTS, request)
+    return chunked.chunked_scores(query, keys, values, mask, scaling, chunked.chunk_elements(query.device), request)

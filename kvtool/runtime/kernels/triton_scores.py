@@ -49,9 +49,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 LOG2E = 1.4426950408889634
-# Which kernel gives the output and the log-sum-exp: "triton" (`_attn_fwd`), or "sdpa", torch's fused
-# kernel where it applies (kernels/fused_forward.py; unpadded prompts), not yet timed on a GPU.
-FORWARD = "triton"
+# Which kernel gives the output and the log-sum-exp: "sdpa", torch's fused kernel where it applies
+# (kernels/fused_forward.py; unpadded prompts; on an H100 the no-draft prompt phase at 32768 x 2 took
+# 3.82 s against 4.20 s with "triton", docs/results.md), else "triton" (`_attn_fwd`).
+FORWARD = "sdpa"
 FORWARDS = ("triton", "sdpa")
 # Input dtypes the kernels take (float64 has no tensor-core dot; callers keep the eager path for it).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
