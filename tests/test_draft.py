@@ -365,10 +365,9 @@ def test_prompts_held_in_host_memory_prepare_the_same_cache(llama, monkeypatch):
     from kvtool.runtime.layer import held_prompt
 
     class Copied:  # stands for the CUDA event that ends a copy out
-        def wait(self, stream=None):
-            waits.append(stream)
+        pass
 
-    copies, waits = [], []
+    copies, fetched, arrived, events = [], [], [], []
 
     from kvtool.runtime.layer import pinned
 
@@ -380,6 +379,16 @@ def test_prompts_held_in_host_memory_prepare_the_same_cache(llama, monkeypatch):
         copies.append(len(tensors))
         return tuple(held_prompt.POOL.take(t.shape, t.dtype).copy_(t) for t in tensors), Copied()
 
+    def to_device(keys, values, device):  # a copy back, started while the layer before computes
+        fetched.append(keys)
+        events.append("f")
+        return keys.clone(), values.clone(), len(fetched)
+
+    def arrive(copy, device):
+        arrived.append(copy[2])
+        events.append("a")
+        return copy[0], copy[1]
+
     profile = profile_with(llama, [0.3, 1.0, 0.2], sink_tokens=1, recent_window=2, truncation_distance=3)
     plans = rules_plans(profile, **RULES["per-head-union-h2o"])
     batch = left_pad([s.tolist() for s in prompts([40, 26], seed=6)], (0, 1), 0)
@@ -388,10 +397,15 @@ def test_prompts_held_in_host_memory_prepare_the_same_cache(llama, monkeypatch):
         if on_host and not runs[1:]:
             monkeypatch.setattr(held_prompt, "_on_host", lambda device: True)
             monkeypatch.setattr(held_prompt, "_to_host", to_host)
-            monkeypatch.setattr(held_prompt, "_wait", lambda copied, device: copied.wait(device))
+            monkeypatch.setattr(held_prompt, "_to_device", to_device)
+            monkeypatch.setattr(held_prompt, "_arrived", arrive)
         with torch.no_grad(), attach(llama, profile):
             runs.append(prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True)))
-    assert copies == [2] * 6 and len(waits) == 6 * 2  # per layer: one copy out, and one copy back a round
+    # 3 layers, 2 runs through host memory: one copy out per layer and run, and one copy back per
+    # layer and round, each read once, in the order they were started.
+    assert copies == [2] * 6 and len(fetched) == 6 * 2 and arrived == list(range(1, 6 * 2 + 1))
+    # A layer's copy back is started before the layer before it is read: it runs while that one computes.
+    assert "".join(events) == "ffafaa" * 4
     assert len(allocated) == 6 and pool.free_bytes == sum(allocated)  # given back, and taken again
     (place, host, again) = runs
     for a, b in zip(host.cache.layers, again.cache.layers, strict=True):

@@ -32,13 +32,24 @@ class HeldLayer(DynamicLayer):
     def __init__(self, held: HeldPrompt, fill: CompressingLayer | None = None):
         super().__init__()
         self.held, self.fill = held, fill
+        self.following: HeldLayer | None = None  # the next layer, whose prompt comes back while this one computes
+        self._fetched = None
         self.lazy_initialization(held.keys, held.values)
         self.device = held.device  # the layer's: on a GPU the keys may be in host memory
         self.keys, self.values = held.keys, held.values  # their lengths are what transformers reads
 
+    def fetch(self) -> None:
+        """Start bringing this layer's prompt back from host memory (held_prompt.HeldPrompt.fetch)."""
+        if self._fetched is None:
+            self._fetched = self.held.fetch()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # Not stored: the forward that reads the held prompt is its only one.
-        return self.held.followed_by(key_states, value_states)
+        self.fetch()
+        fetched, self._fetched = self._fetched, None
+        if self.following is not None:
+            self.following.fetch()  # queued behind this layer's copy back, run while this layer computes
+        return self.held.followed_by(key_states, value_states, fetched)
 
     def read(self, scores: PromptScores, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The attention function's column sums of the rows over `keys` / `values` (the held prompt
@@ -60,3 +71,7 @@ class HeldCache(DynamicCache):
             raise ValueError(f"cache has {len(self.layers)} layers but {len(held)} held prompts were given")
         fill = [None] * len(held) if fill is None else fill
         self.layers = [HeldLayer(h, f) for h, f in zip(held, fill, strict=True)]
+        for layer, following in zip(self.layers, self.layers[1:]):
+            layer.following = following
+        if self.layers:
+            self.layers[0].fetch()

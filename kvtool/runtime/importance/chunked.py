@@ -13,10 +13,11 @@ import torch
 from kvtool.runtime.importance.scores import NO_EXTRAS, PromptScores, ScoreRequest, accumulation_dtype
 
 # Elements of one chunk's score tensor on the portable path; 2**24 floats = 64 MiB in float32, and on
-# a GPU 2**27 (512 MiB: a draft's 64 rows over 32768 x 2 keys in one chunk). Read when a call starts
-# (not bound as a default), so a test can shrink them to force many chunks.
+# a GPU 2**28 (a draft's 64 rows over 32768 x 2 keys of Llama-3.1-8B's 32 heads in one chunk: 0.5 GiB,
+# below the prompt forward's own MLP activations). Read when a call starts (not bound as a default),
+# so a test can shrink them to force many chunks.
 CHUNK_ELEMENTS = 2**24
-GPU_CHUNK_ELEMENTS = 2**27
+GPU_CHUNK_ELEMENTS = 2**28
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -94,7 +95,7 @@ def chunked_scores(
         probs = torch.softmax(scores, dim=-1)
         if row_real is not None:
             # Fully masked (padded) query rows give NaN: they contribute nothing and output zero.
-            probs = probs.masked_fill(~row_real[:, None, None, :, None], 0.0)
+            probs.masked_fill_(~row_real[:, None, None, :, None], 0.0)
         if heads is None:
             total[:, :end] += probs.sum(dim=(1, 2, 3))
         else:

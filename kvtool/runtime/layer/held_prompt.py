@@ -4,7 +4,8 @@ While a draft runs, every layer holds its uncompressed prompt: one more copy of 
 and values beside the compressed cache, which on a GPU put the prompt phase's peak above the full
 cache's (docs/results.md, on a GPU). There the held keys and values go to pinned host memory instead,
 copied on a side stream while the prompt forward goes on, and come back one layer at a time when the
-draft's forward reads that layer (which compresses it again there: runtime.held). On a CPU they stay
+draft's forward reads that layer (which compresses it again there: runtime.held), each layer's copy
+back started on the side stream while the layer before it computes (`fetch`). On a CPU they stay
 where they are, and the layer compresses its prompt only once the prompt forward has ended
 (`PromptCompression.compress_pending`), so no compressed copy sits beside it under the forward's
 activations.
@@ -58,19 +59,20 @@ class HeldPrompt:
     def length(self) -> int:
         return self.keys.shape[2]
 
-    def followed_by(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held keys and values with new rows' `keys` and `values` after them, on the device."""
+    def fetch(self) -> Any:
+        """Start copying keys and values held in host memory back to the device, on the side stream
+        (after the copies out): what `followed_by` then reads. None when they are on the device."""
+        if self.copied is None:
+            return None
+        return _to_device(self.keys, self.values, self.device)
+
+    def followed_by(self, keys: torch.Tensor, values: torch.Tensor, fetched: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values with new rows' `keys` and `values` after them, on the device;
+        `fetched` is what `fetch` started (started here if None)."""
         if self.copied is None:
             return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
-        _wait(self.copied, self.device)
-        n = self.length
-        out = []
-        for held, new in ((self.keys, keys), (self.values, values)):
-            whole = torch.empty(*held.shape[:2], n + new.shape[2], held.shape[3], dtype=held.dtype, device=self.device)
-            whole[:, :, :n].copy_(held, non_blocking=True)  # pinned memory: queued, the host goes on
-            whole[:, :, n:] = new
-            out.append(whole)
-        return out[0], out[1]
+        held_keys, held_values = _arrived(fetched if fetched is not None else self.fetch(), self.device)
+        return torch.cat([held_keys, keys], dim=-2), torch.cat([held_values, values], dim=-2)
 
 
 def let_go(held: list[HeldPrompt]) -> None:
@@ -86,9 +88,35 @@ def _on_host(device: torch.device) -> bool:
     return ON_HOST and device.type == "cuda"
 
 
-def _wait(copied: Any, device: torch.device) -> None:
-    """The device's queue waits for the copy out to end; the host does not."""
-    copied.wait(torch.cuda.current_stream(device))
+def _side_stream(device: torch.device) -> Any:
+    """The stream of every copy out and back on `device`: in one queue, a copy back runs after the
+    copy out it reads, and a pinned buffer's next copy out after the last copy back from it."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _to_device(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> Any:
+    """Copies of pinned `keys` and `values` on `device`, made on the side stream, and the event that
+    ends them."""
+    stream = _side_stream(device)
+    with torch.cuda.stream(stream):
+        copies = [torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t, non_blocking=True) for t in (keys, values)]
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return copies[0], copies[1], ready
+
+
+def _arrived(fetched: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values `_to_device` copied, once the device's queue has waited for them (the
+    host does not); the allocator keeps their memory until the device's queue is done with them."""
+    keys, values, ready = fetched
+    current = torch.cuda.current_stream(device)
+    ready.wait(current)
+    keys.record_stream(current)
+    values.record_stream(current)
+    return keys, values
 
 
 def _to_host(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -96,9 +124,7 @@ def _to_host(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
     far, and the event that ends them. The device tensors may be freed at once: the caching allocator
     keeps their memory until the side stream has read it (`record_stream`)."""
     device = tensors[0].device
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    stream = _side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         hosts = []
