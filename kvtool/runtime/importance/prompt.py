@@ -1,9 +1,9 @@
 """The prompt pass: attention received per prompt token (Elastic Cache / PrefixKV importance),
 computed next to the attention output the layer needs anyway.
 
-Never materialises the whole n x n map of every layer: on a GPU two Triton kernels give the output
-and the column sums (kernels/triton_scores.py: a flash-attention forward that keeps each row's
-log-sum-exp, then one more q.k pass per column block); the CPU path runs one sequence at a time in
+Never materialises the whole n x n map of every layer: on a GPU torch's fused attention (or a Triton
+flash-attention forward, for padded prompts) gives the output and each row's log-sum-exp, and a
+Triton kernel the column sums in one more q.k pass per column block (kernels/); the CPU path runs one sequence at a time in
 blocks of query rows (cpu_path); anything else (other masks, no Triton) the portable path in row
 chunks (chunked). The CPU and portable paths' sizes are read when a call starts, so a test can shrink
 them to force many blocks.

@@ -1,7 +1,8 @@
 """Causal prompt attention and its column sums (kvtool's importance) in two Triton kernels.
 
 The portable path (`kvtool.runtime.importance`) walks row chunks through eager ops and is 18-101x a
-plain prefill on a GPU (issue 34). Here the prompt pass is two kernels and a few [B, Hkv, n] reductions:
+plain prefill on a GPU (issue 34). Here the prompt pass is two kernels and a few [B, Hkv, n] reductions
+(for an unpadded 16-bit prompt, torch's fused attention replaces the first: `FORWARD`):
 
 1. `_attn_fwd`, FlashAttention-style: one program per (block of query rows, batch row, query head)
    streams the key blocks at or left of its diagonal, keeps the online-softmax running max and sum in
