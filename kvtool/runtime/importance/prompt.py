@@ -3,10 +3,10 @@ computed next to the attention output the layer needs anyway.
 
 Never materialises the whole n x n map of every layer: on a GPU torch's fused attention (or a Triton
 flash-attention forward, for padded prompts) gives the output and each row's log-sum-exp, and a
-Triton kernel the column sums in one more q.k pass per column block (kernels/); the CPU path runs one sequence at a time in
-blocks of query rows (cpu_path); anything else (other masks, no Triton) the portable path in row
-chunks (chunked). The CPU and portable paths' sizes are read when a call starts, so a test can shrink
-them to force many blocks.
+Triton kernel the column sums in one more q.k pass per column block (kernels/); the CPU path runs
+one sequence at a time in blocks of query rows (cpu_path); anything else (other masks, no Triton,
+a draft's rows over a held prompt on a GPU) the portable path in row chunks (chunked). The CPU and
+portable paths' sizes are read when a call starts, so a test can shrink them to force many blocks.
 """
 
 from __future__ import annotations
