@@ -157,3 +157,18 @@ def test_prompt_phase_by_part(bench, tmp_path, capsys):
         assert all(run[name] > 0 for name in bench.drafting.PARTS)
         assert sum(run[name] for name in bench.drafting.PARTS) == pytest.approx(run["kvtool prompt phase"], rel=0.1)
     assert "| draft steps |" in capsys.readouterr().out
+
+
+def test_profile_of_each_part(bench, tmp_path):
+    """`--profile parts`: one profiler table per part of the draft's prompt phase (its first round),
+    and no decode or whole-phase profile."""
+    report_path = tmp_path / "report.json"
+    code = bench.main(["--shape", "tiny", "--shapes", "64x2", "--repeats", "1", "--no-capacity", "--profile", "parts",
+                       "--budget-s", "0", "--json", str(report_path)])
+    assert code == 0
+    profile = json.loads(report_path.read_text())["profile"]
+    tables = {name: entry for name, entry in profile.items() if isinstance(entry, dict)}
+    assert set(tables) == {f"part: {name}" for name in bench.drafting.PARTS}
+    for entry in tables.values():
+        assert "error" not in entry, entry.get("error")
+        assert entry["seconds_profiled"] > 0 and "aten::" in entry["by_host_time"]
