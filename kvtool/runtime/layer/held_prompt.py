@@ -38,7 +38,9 @@ class HeldPrompt:
     token_valid: torch.Tensor  # [B, n] real (unpadded) columns, on the layer's device
     scores: PromptScores | None  # what the prompt pass scored (None where the layer ranks by position)
     image: torch.Tensor | None  # [B, n] image-token positions, or None
-    copied: Any = None  # the CUDA event that ends the copy to host memory; None: keys and values on `device`
+    # The CUDA event that ends the copy to host memory (None: keys and values on `device`). Nothing waits
+    # on it: the copy back runs after it on the same side stream (`_side_stream`); it marks a host-held prompt.
+    copied: Any = None
 
     @classmethod
     def hold(cls, keys, values, token_valid, scores, image, *, private: bool) -> "HeldPrompt":
