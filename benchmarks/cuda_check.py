@@ -5,8 +5,9 @@ CI has no GPU, so the test suite runs on the CPU; this script is what a session 
 1. Exactness on the GPU (float64 tiny Llama, GQA; the shipped recipe and every named method):
    budget 1.0 generates what the unmodified model generates, a padded batch generates what each
    sequence generates alone, each layer holds at most its share after the generated tokens, the
-   CUDA-graph decode equals the eager one (also inside `generate`), and the recipe's draft prepares
-   the same cache with its held prompts in host memory as on the GPU.
+   CUDA-graph decode equals the eager one (also inside `generate`), the recipe's draft prepares
+   the same cache with its held prompts in host memory as on the GPU, and its decode steps through
+   kernels/triton_step.py (float32) decode what the float64 eager steps decode.
 2. Speed and memory: `run_bench` (what `kvtool bench` runs) of the full cache, the built-in profile
    and the truncated ceiling, at each `--shape` (prompt tokens x batch), in float32 and bfloat16.
 
@@ -97,6 +98,10 @@ def exactness(device: torch.device, shipped) -> dict:
         results["kvtool (shipped recipe): draft with prompts held in host memory == held on the GPU"] = held_on_host_matches(
             model, draft_profile, padded(seqs, device)
         )
+        if device.type == "cuda":  # a CPU runs the kernels only in Triton's interpreter (the tests do)
+            results["kvtool (shipped recipe): decode through the fused step (float32, CUDA graph) == eager (float64)"] = (
+                fused_step_matches(model, draft_profile, padded(seqs, device))
+            )
     return results
 
 
@@ -145,27 +150,64 @@ def held_on_host_matches(model, profile, inputs: dict[str, torch.Tensor]) -> boo
 def graph_decode_matches(model, profile, inputs: dict[str, torch.Tensor], steps: int = NEW) -> bool:
     """Greedy steps of a left-padded batch replayed as a CUDA graph (fixed slots; on a CPU, fixed
     slots run eagerly) give the eager steps' tokens, and logits within float64 rounding."""
+    eager_tokens, eager_logits = greedy_steps(model, profile, inputs, "eager", steps)
+    tokens, logits = greedy_steps(model, profile, inputs, _graph_mode(model), steps)
+    return bool(torch.equal(eager_tokens, tokens)) and bool(torch.allclose(eager_logits, logits, rtol=1e-9, atol=1e-9))
+
+
+def fused_step_matches(model, profile, inputs: dict[str, torch.Tensor], steps: int = NEW) -> bool:
+    """The recipe's decode steps through kernels/triton_step.py (a float32 copy of the model: the
+    kernels take 32- and 16-bit inputs), replayed as a CUDA graph, give the float64 eager steps'
+    tokens and logits within float32 rounding, and every compressing layer's steps ran through them."""
+    import copy
+
+    from kvtool.runtime.kernels import triton_step
+
+    eager_tokens, eager_logits = greedy_steps(model, profile, inputs, "eager", steps)
+    single = copy.deepcopy(model).float()
+    calls = []
+    step, fused = triton_step.decode_step, triton_step.FUSED
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return step(*args, **kwargs)
+
+    triton_step.decode_step, triton_step.FUSED = counted, True
+    try:
+        tokens, logits = greedy_steps(single, profile, inputs, _graph_mode(model), steps)
+    finally:
+        triton_step.decode_step, triton_step.FUSED = step, fused
+    layers = model.config.num_hidden_layers
+    return (
+        bool(torch.equal(eager_tokens, tokens))
+        and bool(torch.allclose(eager_logits, logits.double(), rtol=1e-4, atol=1e-4))
+        and len(calls) >= layers  # the graph replays what its capture recorded: at least one step's calls
+    )
+
+
+def _graph_mode(model) -> str:
+    return "graph" if model.device.type == "cuda" else "fixed"
+
+
+def greedy_steps(model, profile, inputs: dict[str, torch.Tensor], how: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` greedy tokens after the prompt through a fresh cache decoding in mode `how`
+    (runtime.graphed); returns the tokens [B, steps] and the logits of each step."""
     from kvtool.runtime.graphed import Decoder
     from kvtool.runtime.steps import Prompt, prompt_forward
 
     prompt = Prompt.of(inputs)
-    mode = "graph" if model.device.type == "cuda" else "fixed"
-    runs = []
-    for how in ("eager", mode):
-        with torch.inference_mode(), attach(model, profile) as handle:
-            cache = handle.bare_cache()
-            logits = prompt_forward(model, prompt, cache)
-            decoder = Decoder(model, cache, steps, how)
-            tokens, seen = [], []
-            for step in range(steps):
-                token = logits.argmax(-1, keepdim=True)
-                tokens.append(token)
-                logits = decoder(token, prompt.next_positions.to(model.device) + step).clone()
-                seen.append(logits)
-            decoder.close()
-            runs.append((torch.cat(tokens, dim=1), torch.stack(seen)))
-    (eager_tokens, eager_logits), (tokens, logits) = runs
-    return bool(torch.equal(eager_tokens, tokens)) and bool(torch.allclose(eager_logits, logits, rtol=1e-9, atol=1e-9))
+    with torch.inference_mode(), attach(model, profile) as handle:
+        cache = handle.bare_cache()
+        logits = prompt_forward(model, prompt, cache)
+        decoder = Decoder(model, cache, steps, how)
+        tokens, seen = [], []
+        for step in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            tokens.append(token)
+            logits = decoder(token, prompt.next_positions.to(model.device) + step).clone()
+            seen.append(logits)
+        decoder.close()
+    return torch.cat(tokens, dim=1), torch.stack(seen)
 
 
 def host_waits(model, profile, ids: torch.Tensor, steps: int = 4) -> dict:

@@ -11,9 +11,11 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
 (c') on a GPU, (c) with the prompt pass's output and log-sum-exp from kvtool's Triton kernel
     (`triton_scores.FORWARD = "triton"`) instead of torch's fused one (kernels/fused_forward.py, the default);
-(d) kvtool's default recipe (the same with the recipe's drafted answer, 64 tokens x 2 rounds, verified),
+(d) kvtool's default recipe (the same with the built-in profile's drafted answer, verified),
     its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
     them held on the GPU;
+(c'', d') on a GPU, (c) and (d) with each decode step's kvtool work in three Triton kernels a layer
+    (kernels/triton_step.py, `triton_step.FUSED`) instead of about 40 eager ones;
 each as the median with min-max over `--repeats` runs of: prompt-phase seconds, decode tok/s,
 end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in the whole run
 (torch.cuda.max_memory_allocated on a GPU).
@@ -81,7 +83,7 @@ from kvtool.runtime import draft as drafting  # noqa: E402
 from kvtool.runtime.attach import layer_plans  # noqa: E402
 from kvtool.runtime.graphed import Decoder  # noqa: E402
 from kvtool.runtime.importance import tune_blocks  # noqa: E402
-from kvtool.runtime.kernels import triton_scores  # noqa: E402
+from kvtool.runtime.kernels import triton_scores, triton_step  # noqa: E402
 from kvtool.runtime.layer import held_prompt  # noqa: E402
 from kvtool.runtime.steps import Prompt, prompt_forward  # noqa: E402
 
@@ -117,6 +119,9 @@ FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GP
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
     "kvtool recipe, prompt held on the GPU", "kvtool, no draft, Triton forward",
 )
+# The decode steps (the draft's too) through kernels/triton_step.py's three kernels a layer.
+KVTOOL_FUSED_NO_DRAFT, KVTOOL_FUSED = "kvtool, no draft, fused step", "kvtool recipe, fused step"
+GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_TRITON_FORWARD, KVTOOL_FUSED_NO_DRAFT, KVTOOL_FUSED)
 
 
 class Budget:
@@ -375,14 +380,20 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         with setting(triton_scores, "FORWARD", "triton"):
             return run_kvtool(model, prompt, new_tokens, profile)
 
+    def fused_step(model, prompt, new_tokens, profile):
+        with setting(triton_step, "FUSED", True):
+            return run_kvtool(model, prompt, new_tokens, profile)
+
     others = {
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
         KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe), KVTOOL_TRITON_FORWARD: under(triton_forward, no_draft),
+        KVTOOL_FUSED_NO_DRAFT: under(fused_step, no_draft), KVTOOL_FUSED: under(fused_step, recipe),
     }
     if not args.ceiling:
         del others[CEILING]
     if device.type != "cuda":  # the same cells as the recipe's and kvtool's without a draft off a GPU
-        del others[KVTOOL_HELD_ON_GPU], others[KVTOOL_TRITON_FORWARD]
+        for name in GPU_ONLY_CELLS:
+            del others[name]
     rest = measure_cells(
         others,
         ids, args.new_tokens, args.repeats, budget, label, live, checkpoint,

@@ -6,7 +6,8 @@
 #      through the graph, the draft's prompts held in host memory, twice); the prompt kernels alone
 #      (torch's fused forward against the Triton one, each with the column sums); the recipe's prompt
 #      phase by part (`--parts`); the full cache under both SDPA choices, kvtool without a draft (also
-#      with the Triton forward) and with its draft (held prompts in host memory, and on the GPU);
+#      with the Triton forward) and with its draft (held prompts in host memory, and on the GPU), both
+#      also with the fused decode step (kernels/triton_step.py, whose exactness check is in step 2);
 #   3. 32768 x 2: the same without the exactness checks, 2 repeats;
 #   4. (MORE=1) the decode steps' profile, `generate` full against kvtool, and the largest batch at
 #      32k of kvtool (its prompt phase a row at a time) and of the full cache (about 5 minutes more).
@@ -33,9 +34,9 @@ if bad or not report.get("exactness", {}).get("passed"):
     sys.exit(1)
 PY
 fi
-"${bench[@]}" --shapes 8192x4 --repeats 3 --exactness --parts --budget-s "${BUDGET_8K_S:-150}" \
+"${bench[@]}" --shapes 8192x4 --repeats 3 --exactness --parts --budget-s "${BUDGET_8K_S:-190}" \
     --json "$out/gpu-8k.json" | tee "$out/gpu-8k.md"
-"${bench[@]}" --shapes 32768x2 --repeats 2 --no-exactness --parts --budget-s "${BUDGET_32K_S:-170}" \
+"${bench[@]}" --shapes 32768x2 --repeats 2 --no-exactness --parts --budget-s "${BUDGET_32K_S:-210}" \
     --json "$out/gpu-32k.json" | tee "$out/gpu-32k.md"
 if [ "${MORE:-0}" = 1 ]; then
     "$python" benchmarks/gpu_bench.py --shape llama3-8b --shapes 8192x4 --repeats 1 --no-exactness --no-kernels \

@@ -91,6 +91,10 @@ def _attend(
                 scores = prompt_scores(query, key, attention_mask, scaling, request)
         layer.compress_prompt(attention_mask, scores)
         return out
+    if layer.step_token is not None:  # fixed slots stepping through triton_step
+        if _plain_softmax_attention(dropout, kwargs):
+            return layer.fused_step(query, scaling), None
+        layer.place_step_token()
     layer.discard_padded_token(attention_mask)
     key, value, mask = layer.decode_view()
     if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):

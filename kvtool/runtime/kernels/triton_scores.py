@@ -397,20 +397,9 @@ def compile_report(
     """Compile both kernels for an NVIDIA GPU of compute capability `arch` without one (Triton ships
     ptxas) and read each one's registers, stack (spilled bytes) and shared memory from the binary:
     catches what the interpreter lets through (it is far more permissive) and shows register pressure."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     precision = "ieee" if dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(head_dim))
-    target = GPUTarget("cuda", arch, 32)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     kernels = {
         "forward": (
             _attn_fwd, [f"*{ty}"] * 4 + ["*fp32", "*i32"] + ["i64"] * 16 + ["i32", "i32", "i32", "fp32"],
@@ -423,22 +412,40 @@ def compile_report(
             blocks.sum_warps,
         ),
     }
-    report = {}
-    for name, (fn, types, constexprs, warps) in kernels.items():
-        jitted = JITFunction(fn)  # not triton.jit: that gives an interpreter object under TRITON_INTERPRET
-        signature = dict(zip(jitted.arg_names, types + ["constexpr"] * len(constexprs)))
-        source = ASTSource(jitted, signature, constexprs={(jitted.arg_names.index(k),): v for k, v in constexprs.items()})
-        compiled = triton.compile(source, target=target, options=dict(num_warps=warps, num_stages=blocks.stages))
-        entry = {"shared_bytes": int(compiled.metadata.shared)}
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "kernel.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
-        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        if found:
-            entry.update(registers=int(found.group(1)), stack_bytes=int(found.group(2)))
-        report[name] = entry
-    return report
+    return {
+        name: resource_usage(fn, types, constexprs, warps, blocks.stages, arch)
+        for name, (fn, types, constexprs, warps) in kernels.items()
+    }
+
+
+def resource_usage(fn, types: list[str], constexprs: dict, warps: int, stages: int, arch: int = 90) -> dict[str, int]:
+    """Compile the kernel function `fn` (argument types as Triton spells them, then its constexprs)
+    for an NVIDIA GPU of compute capability `arch` without one, and read its registers, stack and
+    shared memory from the binary."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    target = GPUTarget("cuda", arch, 32)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    jitted = JITFunction(fn)  # not triton.jit: that gives an interpreter object under TRITON_INTERPRET
+    signature = dict(zip(jitted.arg_names, types + ["constexpr"] * len(constexprs)))
+    source = ASTSource(jitted, signature, constexprs={(jitted.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=target, options=dict(num_warps=warps, num_stages=stages))
+    entry = {"shared_bytes": int(compiled.metadata.shared)}
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found:
+        entry.update(registers=int(found.group(1)), stack_bytes=int(found.group(2)))
+    return entry
 
 
 def reference_scores(
@@ -498,5 +505,6 @@ __all__ = [
     "interpreting",
     "prefill_flops",
     "reference_scores",
+    "resource_usage",
 ]
 

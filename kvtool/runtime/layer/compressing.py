@@ -97,6 +97,11 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         self._pending = None  # (token_valid, scores) of a held prompt compressed once its forward ends
         # The device counters while the slots are fixed (`fix_slots`, fixed.py); None: eager steps.
         self.fixed = None
+        # With fixed slots and `triton_step.FUSED`, the new token's (key, value) between `update` and
+        # the attention, which places it (`fused_step`); its kernels' buffers, made at the first step.
+        self.fused = False
+        self.step_token: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step_scratch = None
 
     # ----- transformers' cache-layer interface -------------------------------------------------
 

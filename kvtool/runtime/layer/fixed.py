@@ -29,7 +29,9 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction import EntryView
+from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.importance.decode import SLOT_CHUNK, SPLIT_FROM
+from kvtool.runtime.kernels import triton_step
 from kvtool.runtime.layer.slots import write_slot
 
 
@@ -80,6 +82,37 @@ class FixedSlots:
             rows=torch.arange(len(self.tokens), device=device),
         )
         self._placed, self._new_slot = None, None
+        self.fused = triton_step.FUSED and self._fused_step_applies()
+
+    def _fused_step_applies(self) -> bool:
+        """Whether `triton_step` does this layer's steps: the shipped recipe's layers (packed, per-head,
+        a heavy-hitter victim, scores kept, no image entries) on a device its kernels run on."""
+        rule = self.plan.evict
+        return (
+            self.packed and self.per_head and rule.holds_budget and type(rule).victim is HeavyHitter.victim
+            and not rule.needs_attention and self.score is not None and self.image is None
+            and triton_step.available(self.keys)
+        )
+
+    def fused_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The step `_place_fixed`, the attention, `add_scores` and `_evict_fixed` make, in
+        `triton_step`'s three kernels; returns the attention output [B, 1, Hq, D]."""
+        key, value = self.step_token
+        self.step_token = None
+        if self._step_scratch is None:
+            self._step_scratch = triton_step.StepScratch.for_layer(self.keys, query.shape[1])
+        fixed = self.fixed
+        state = dict(
+            keys=self.keys, values=self.values, valid=self.valid, order=self.order, score=self.score,
+            frozen=self.frozen, kept=fixed.kept, tokens=fixed.tokens, seen=fixed.seen, share=fixed.share,
+        )
+        return triton_step.decode_step(query, key, value, state, scaling, self._step_scratch)
+
+    def place_step_token(self) -> None:
+        """Place the held token the eager way (an attention call the fused step does not cover)."""
+        key, value = self.step_token
+        self.step_token = None
+        self._place_fixed(key, value, eager=True)
 
     def release_slots(self) -> None:
         """Read the device's counters back: the layer decodes eagerly again (its buffer keeps its size)."""
@@ -91,8 +124,12 @@ class FixedSlots:
         self.seen = int(fixed.seen)
         self.fixed = None
         self._share_table = None
+        self.fused, self.step_token, self._step_scratch = False, None, None
 
-    def _place_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _place_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor, eager: bool = False) -> None:
+        if self.fused and not eager:
+            self.step_token = (key_states, value_states)  # placed by `fused_step` with the rest
+            return
         fixed = self.fixed
         if self.packed:
             slot = fixed.kept.clone()  # the clone: `kept` changes below, the slot must not

@@ -1,0 +1,345 @@
+"""A fixed-slot decode step of one per-head `heavy-hitter` layer in three Triton kernels.
+
+On a GPU a kvtool decode step is a CUDA graph (runtime.graphed), and what it costs is its kernels:
+on an H100 at Llama-3.1-8B's shape a step ran 2,484 of them, about 40 per layer of kvtool's own
+(place the token, attend with scores, accumulate them, pick and move the victim, the counters), each
+a few microseconds of work plus the gap between graph nodes (docs/results.md, "The draft's rows in
+GPU-sized chunks"). The shipped recipe's layers (per-head `heavy-hitter`, packed, fixed slots) do
+all of that here in three launches:
+
+1. `_partials`, one program per (batch row x KV head, split of the slots): the new token's g query
+   rows against the row's entries in that split (slots 0..kept-1; packed layers hold their entries
+   there), FlashAttention-style partial max, sum and output, and the scaled scores themselves into
+   a scratch buffer (flash-decoding: a 1,600-slot row split over several programs keeps the GPU busy);
+2. `_finish`, one program per (batch row, KV head): the new token's own score, the partials combined
+   into the output, the probabilities (from the scratch scores and the final max and sum) added to
+   each entry's score, the victim (the lowest score among entries older than the newest half of the
+   share, first slot on ties, as `HeavyHitter.victim`), and the new entry written where it stays:
+   over the victim when the row is over its share (the eager step places it last and then moves the
+   last entry onto the victim: the same state), else in the next free slot;
+3. `_counters`, one program per batch row: slot validity and the counters (`kept`, `tokens`,
+   `seen`), after every head has read them.
+
+It computes what the eager fixed-slot step computes (`FixedSlots._place_fixed`, the kvtool attention,
+`add_scores`, `_evict_fixed`) up to float rounding: the tests check it against that step in float64
+and the victims for equality. `FUSED` switches it on (off until a GPU has timed it); without a GPU,
+Triton's interpreter runs it on CPU tensors (TRITON_INTERPRET=1), as for `triton_scores`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.runtime.kernels import triton_scores
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+# Whether fixed-slot layers that qualify (`applies`) step through these kernels. Off until timed on a
+# GPU against the eager step (`benchmarks/gpu_bench.py`'s "kvtool, no draft, fused step" cell).
+FUSED = False
+BLOCK_S = 64  # slots per block of the attention's inner loop (`_partials`)
+FINISH_BLOCK_S = 256  # slots per block of the scores' and the victim's loop (`_finish`: no dot products)
+INTERPRETER_BLOCK_S, INTERPRETER_FINISH_BLOCK_S = 16, 32  # several blocks even for the tests' few slots
+# Programs the first kernel aims for (a few per SM of an H100's 132): slots are split until
+# batch x KV heads x splits reaches it, in whole blocks.
+TARGET_PROGRAMS = 264
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class StepScratch:
+    """Buffers of one step's kernels, made once for a fixed-slot layer (the step is a CUDA graph: its
+    buffers never change). `scores` [B * Hkv, g, S] float32: the new token's scaled scores (base 2);
+    `maxes`, `sums` [B * Hkv, splits, g] and `outs` [B * Hkv, splits, g, D] float32: the partials."""
+
+    scores: torch.Tensor
+    maxes: torch.Tensor
+    sums: torch.Tensor
+    outs: torch.Tensor
+    split: int  # slots per split, a multiple of the block
+
+    @classmethod
+    def for_layer(cls, keys: torch.Tensor, n_heads: int) -> "StepScratch":
+        bsz, n_kv_heads, slots, head_dim = keys.shape
+        block = _blocks()[0]
+        groups = n_heads // n_kv_heads
+        blocks = -(-slots // block)
+        splits = max(1, min(blocks, -(-TARGET_PROGRAMS // (bsz * n_kv_heads))))
+        split = -(-blocks // splits) * block
+        splits = -(-slots // split)
+        rows = bsz * n_kv_heads
+        device = keys.device
+        return cls(
+            scores=torch.empty(rows, groups, slots, dtype=torch.float32, device=device),
+            maxes=torch.empty(rows, splits, groups, dtype=torch.float32, device=device),
+            sums=torch.empty(rows, splits, groups, dtype=torch.float32, device=device),
+            outs=torch.empty(rows, splits, groups, head_dim, dtype=torch.float32, device=device),
+            split=split,
+        )
+
+
+def available(keys: torch.Tensor) -> bool:
+    """Whether the kernels can run on `keys`' device and dtype (see `triton_scores.available`)."""
+    return triton is not None and keys.shape[-1] <= MAX_HEAD_DIM and triton_scores.available(keys)
+
+
+def decode_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    state: dict[str, torch.Tensor | None],
+    scaling: float,
+    scratch: StepScratch,
+) -> torch.Tensor:
+    """One decode step of a packed per-head heavy-hitter layer with fixed slots, in place.
+
+    query [B, Hq, 1, D]; key, value [B, Hkv, 1, D] (the new token's); `state`: the layer's `keys`,
+    `values` [B, Hkv, S, D], `valid` [B, S] bool, `order` [B, Hkv, S] long, `score` [B, Hkv, S]
+    float32, `frozen` [B, Hkv, S] bool or None, and the fixed counters `kept`, `tokens` [B] long,
+    `seen` [] long, `share` [counts, B] long (`FixedCounters`). Returns the attention output
+    [B, 1, Hq, D] (sdpa_attention_forward's layout) in the query's dtype."""
+    keys, values = state["keys"], state["values"]
+    bsz, n_kv_heads, slots, head_dim = keys.shape
+    n_heads = query.shape[1]
+    groups = n_heads // n_kv_heads
+    block_g = max(16, triton.next_power_of_2(groups))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block, finish_block = _blocks()
+    precision = "ieee" if keys.dtype == torch.float32 else "tf32"
+    qk_scale = float(scaling) * triton_scores.LOG2E
+    order, score, frozen = state["order"], state["score"], state["frozen"]
+    valid = state["valid"].view(torch.uint8)
+    frozen = frozen.view(torch.uint8) if frozen is not None else valid  # a dummy pointer when absent
+    kept, tokens, seen, share = state["kept"], state["tokens"], state["seen"], state["share"]
+    out = torch.empty(bsz, 1, n_heads, head_dim, dtype=query.dtype, device=query.device)
+    partials, finish, counters = _kernels()
+    splits = scratch.maxes.shape[1]
+    rows = bsz * n_kv_heads
+    partials[(rows, splits)](
+        query, keys, values, kept, scratch.scores, scratch.maxes, scratch.sums, scratch.outs,
+        *query.stride()[:2], query.stride(3), *keys.stride(), *values.stride(),
+        n_kv_heads, slots, qk_scale, scratch.split, splits,
+        G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block, PRECISION=precision,
+    )
+    finish[(rows,)](
+        query, key, value, keys, values, out, scratch.scores, scratch.maxes, scratch.sums, scratch.outs,
+        order, score, frozen, kept, tokens, seen, share,
+        *query.stride()[:2], query.stride(3), *key.stride()[:2], key.stride(3), *value.stride()[:2], value.stride(3),
+        *keys.stride(), *values.stride(), out.stride(0), out.stride(2), out.stride(3),
+        *order.stride(), *score.stride(), *(frozen.stride() if state["frozen"] is not None else (0, 0, 0)),
+        *share.stride(),
+        n_kv_heads, slots, qk_scale, splits,
+        G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=finish_block,
+        HAS_FROZEN=state["frozen"] is not None,
+    )
+    counters[(bsz,)](valid, kept, tokens, seen, share, *valid.stride(), *share.stride())
+    return out
+
+
+def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, groups: int = 4, arch: int = 90) -> dict[str, dict[str, int]]:
+    """The three kernels compiled for an NVIDIA GPU of compute capability `arch` without one, with
+    their registers, stack and shared memory (`triton_scores.resource_usage`): what the interpreter
+    lets through and the compiler does not shows up here."""
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    shape = dict(G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), HEAD_DIM=head_dim,
+                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_S=BLOCK_S)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    kernels = {
+        "partials": (_partials, [f"*{ty}"] * 3 + ["*i64"] + ["*fp32"] * 4 + ["i64"] * 11 + ["i32", "i32", "fp32", "i32", "i32"],
+                     dict(shape, PRECISION=precision)),
+        "finish": (_finish, [f"*{ty}"] * 6 + ["*fp32"] * 4 + ["*i64", "*fp32", "*u8"] + ["*i64"] * 4 + ["i64"] * 31
+                   + ["i32", "i32", "fp32", "i32"], dict(shape, BLOCK_S=FINISH_BLOCK_S, HAS_FROZEN=True)),
+        "counters": (_counters, ["*u8"] + ["*i64"] * 4 + ["i64"] * 4, {}),
+    }
+    return {
+        name: triton_scores.resource_usage(fn, types, constexprs, warps=4, stages=2, arch=arch)
+        for name, (fn, types, constexprs) in kernels.items()
+    }
+
+
+def _blocks() -> tuple[int, int]:
+    """The slot blocks of `_partials` and `_finish`."""
+    if triton_scores.interpreting():
+        return INTERPRETER_BLOCK_S, INTERPRETER_FINISH_BLOCK_S
+    return BLOCK_S, FINISH_BLOCK_S
+
+
+_KERNELS: dict[bool, tuple] = {}
+
+
+def _kernels() -> tuple:
+    """The three kernels, for the interpreter when TRITON_INTERPRET is set now, else compiled."""
+    mode = triton_scores.interpreting()
+    if mode not in _KERNELS:
+        if mode:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _KERNELS[mode] = tuple(InterpretedFunction(fn) for fn in (_partials, _finish, _counters))
+        else:
+            _KERNELS[mode] = tuple(triton.jit(fn) for fn in (_partials, _finish, _counters))
+    return _KERNELS[mode]
+
+
+if triton is not None:
+    # tl.sum / tl.max / tl.min are spelled as tl.reduce with tl.standard's combine functions, as in
+    # triton_scores (the interpreter recognises those even where triton was imported without it).
+
+    def _partials(
+        Q, K, V, Kept, Scores, Maxes, Sums, Outs,
+        sqb, sqh, sqd,
+        skb, skh, sks, skd,
+        svb, svh, svs, svd,
+        HKV, S, qk_scale, SPLIT, SPLITS,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        b = row // HKV
+        h = row % HKV
+        n = tl.load(Kept + b)  # the entries before the new token: slots 0..n-1 (packed)
+        groups = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, BLOCK_D)
+        g_ok = groups < G
+        d_ok = dims < HEAD_DIM
+        q_ptr = Q + b.to(tl.int64) * sqb + (h * G + groups).to(tl.int64)[:, None] * sqh + dims[None, :] * sqd
+        q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        k_ptr = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+        v_ptr = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+        s_ptr = Scores + row.to(tl.int64) * G * S
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+        acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+        lo = part * SPLIT
+        hi = tl.minimum(lo + SPLIT, n)
+        offs = tl.arange(0, BLOCK_S)
+        for s0 in range(lo, hi, BLOCK_S):
+            cols = s0 + offs
+            c_ok = cols < hi
+            kv_mask = c_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + cols[:, None].to(tl.int64) * sks + dims[None, :] * skd, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + cols[:, None].to(tl.int64) * svs + dims[None, :] * svd, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(c_ok[None, :], s, float("-inf"))
+            tl.store(s_ptr + groups[:, None] * S + cols[None, :], s, mask=g_ok[:, None] & c_ok[None, :])
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        at = (row * SPLITS + part) * G + groups
+        tl.store(Maxes + at, m_i, mask=g_ok)
+        tl.store(Sums + at, l_i, mask=g_ok)
+        tl.store(Outs + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+    def _finish(
+        Q, Knew, Vnew, K, V, Out, Scores, Maxes, Sums, Outs,
+        Order, Score, Frozen, Kept, Tokens, Seen, Share,
+        sqb, sqh, sqd,
+        snkb, snkh, snkd,
+        snvb, snvh, snvd,
+        skb, skh, sks, skd,
+        svb, svh, svs, svd,
+        sob, soh, sod,
+        srb, srh, srs,
+        scb, sch, scs,
+        sfb, sfh, sfs,
+        sht, shb,
+        HKV, S, qk_scale, SPLITS,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr, HAS_FROZEN: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        b = row // HKV
+        h = row % HKV
+        n = tl.load(Kept + b)
+        seen = tl.load(Seen)
+        # The share after this token (the counters move in `_counters`): rows over it drop a victim.
+        share = tl.load(Share + (tl.load(Tokens + b) + 1) * sht + b * shb)
+        newest = seen + 1 - share // 2  # entries from this column on are the protected newest half
+        over = n + 1 > share
+        groups = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, BLOCK_D)
+        g_ok = groups < G
+        d_ok = dims < HEAD_DIM
+        q_ptr = Q + b.to(tl.int64) * sqb + (h * G + groups).to(tl.int64)[:, None] * sqh + dims[None, :] * sqd
+        q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k_new = tl.load(Knew + b.to(tl.int64) * snkb + h.to(tl.int64) * snkh + dims * snkd, mask=d_ok, other=0.0)
+        v_new = tl.load(Vnew + b.to(tl.int64) * snvb + h.to(tl.int64) * snvh + dims * snvd, mask=d_ok, other=0.0)
+        s_new = tl.reduce(q * k_new.to(tl.float32)[None, :], 1, tl.standard._sum_combine) * qk_scale
+
+        # Combine the splits' partials with the new token's own column.
+        m = s_new
+        for part in range(0, SPLITS):
+            m = tl.maximum(m, tl.load(Maxes + (row * SPLITS + part) * G + groups, mask=g_ok, other=float("-inf")))
+        p_new = tl.exp2(s_new - m)
+        l_i = p_new
+        acc = p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        for part in range(0, SPLITS):
+            at = (row * SPLITS + part) * G + groups
+            m_part = tl.load(Maxes + at, mask=g_ok, other=float("-inf"))
+            scale = tl.where(m_part == float("-inf"), 0.0, tl.exp2(m_part - m))
+            l_i += tl.load(Sums + at, mask=g_ok, other=0.0) * scale
+            acc += tl.load(Outs + at[:, None] * HEAD_DIM + dims[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0) * scale[:, None]
+        out = acc / l_i[:, None]
+        o_ptr = Out + b.to(tl.int64) * sob + (h * G + groups).to(tl.int64)[:, None] * soh + dims[None, :] * sod
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+        # Each entry's score gains the probability the new token gave it (averaged over the g query
+        # rows); the victim is the lowest among the entries older than `newest`.
+        s_ptr = Scores + row.to(tl.int64) * G * S
+        o_row = Order + b.to(tl.int64) * srb + h.to(tl.int64) * srh
+        c_row = Score + b.to(tl.int64) * scb + h.to(tl.int64) * sch
+        best = tl.full([], float("inf"), tl.float32)
+        victim = tl.full([], 0, tl.int64)
+        offs = tl.arange(0, BLOCK_S)
+        for s0 in range(0, n, BLOCK_S):
+            cols = s0 + offs
+            c_ok = cols < n
+            s = tl.load(s_ptr + groups[:, None] * S + cols[None, :], mask=g_ok[:, None] & c_ok[None, :], other=float("-inf"))
+            p = tl.exp2(s - m[:, None]) / l_i[:, None]
+            gained = tl.reduce(p, 0, tl.standard._sum_combine) / G
+            total = tl.load(c_row + cols * scs, mask=c_ok, other=0.0) + gained
+            tl.store(c_row + cols * scs, total, mask=c_ok)
+            old = c_ok & (tl.load(o_row + cols * srs, mask=c_ok, other=0) < newest)
+            candidate = tl.where(old, total, float("inf"))
+            low = tl.reduce(candidate, 0, tl.standard._elementwise_min)
+            first = tl.reduce(tl.where(candidate == low, cols, 2**30), 0, tl.standard._elementwise_min)
+            better = low < best
+            victim = tl.where(better, first.to(tl.int64), victim)
+            best = tl.where(better, low, best)
+        own = tl.reduce(tl.where(g_ok, p_new / l_i, 0.0), 0, tl.standard._sum_combine) / G
+        # The new entry is a candidate too when the protected half is empty; it is the last slot, so
+        # it wins only when strictly lower.
+        victim = tl.where((seen < newest) & (own < best), n, victim)
+        target = tl.where(over, victim, n)
+        k_ptr = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh + target * sks
+        v_ptr = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + target * svs
+        tl.store(k_ptr + dims * skd, k_new, mask=d_ok)
+        tl.store(v_ptr + dims * svd, v_new, mask=d_ok)
+        tl.store(o_row + target * srs, seen)
+        tl.store(c_row + target * scs, own)
+        if HAS_FROZEN:
+            tl.store(Frozen + b.to(tl.int64) * sfb + h.to(tl.int64) * sfh + target * sfs, 0)
+
+    def _counters(Valid, Kept, Tokens, Seen, Share, svb, svs, sht, shb):
+        b = tl.program_id(0)
+        n = tl.load(Kept + b)
+        tokens = tl.load(Tokens + b) + 1
+        share = tl.load(Share + tokens * sht + b * shb)
+        over = n + 1 > share
+        # The new token's slot holds an entry unless the row dropped one (its victim took the token).
+        tl.store(Valid + b.to(tl.int64) * svb + n * svs, tl.where(over, 0, 1).to(tl.uint8))
+        tl.store(Kept + b, tl.where(over, n, n + 1))
+        tl.store(Tokens + b, tokens)
+        if b == 0:
+            tl.store(Seen, tl.load(Seen) + 1)

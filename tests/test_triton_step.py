@@ -1,0 +1,105 @@
+"""kernels/triton_step.py: the shipped recipe's fixed-slot decode step in three Triton kernels.
+
+Run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), in float32, against the eager
+fixed-slot step in float64 (which tests/test_fixed_slots.py checks against the eager steps): the same
+tokens, logits within float32 rounding, and every layer's entries, counters and scores alike after
+20 steps with an eviction in most of them. benchmarks/cuda_check.py repeats the comparison on a GPU
+with the step captured as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvtool.runtime import uniform_profile  # noqa: E402
+from kvtool.runtime.kernels import triton_step  # noqa: E402
+from test_fixed_slots import RECIPES, _decode, _prompt  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
+
+SHIPPED = RECIPES["shipped: heavy-hitter, per-head, union"]
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = tiny_llama(dtype=torch.float64, layers=3, seed=3)
+    with torch.no_grad():  # sharper attention, so the victims differ clearly between entries
+        for layer, scale in zip(model.model.layers, (30.0, 8.0, 1.0)):
+            layer.self_attn.q_proj.weight.mul_(scale)
+    return model, copy.deepcopy(model).float()
+
+
+@pytest.fixture()
+def fused(monkeypatch):
+    """The fused step on, in the interpreter; the list of its calls."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_step, "FUSED", True)
+    calls = []
+    step = triton_step.decode_step
+
+    def counted(*args, **kwargs):
+        calls.append(args[3]["keys"].shape)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(triton_step, "decode_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "lengths, programs", [([40, 27], triton_step.TARGET_PROGRAMS), ([40], 1)],
+    ids=["left-padded, many splits of one block", "one row, one split of several blocks"],
+)
+def test_the_fused_step_decodes_what_the_eager_step_decodes(models, fused, monkeypatch, lengths, programs) -> None:
+    monkeypatch.setattr(triton_step, "TARGET_PROGRAMS", programs)
+    model, single = models
+    profile = uniform_profile(model, 0.3, SHIPPED)
+    prompt = _prompt(lengths)
+    eager_tokens, eager_logits, eager = _decode(model, profile, prompt, "fixed", steps=STEPS)
+    calls_before = len(fused)
+    tokens, logits, cache = _decode(single, profile, prompt, "fixed", steps=STEPS)
+    assert len(fused) - calls_before == STEPS * 3  # every step of every layer went through the kernels
+    assert torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(logits.double(), eager_logits, rtol=1e-5, atol=1e-5)
+    evicted = 0
+    for a, b in zip(eager.layers, cache.layers):
+        assert np.array_equal(a.kept, b.kept) and np.array_equal(a.tokens, b.tokens) and a.seen == b.seen
+        assert torch.equal(a.valid, b.valid)  # the same slots hold entries: the same victims, moved alike
+        valid = a.valid[:, None, :]
+        assert torch.equal(a.order.masked_fill(~valid, -1), b.order.masked_fill(~valid, -1))
+        keys = a.valid[:, None, :].expand(-1, a.keys.shape[1], -1)
+        torch.testing.assert_close(b.keys[keys].double(), a.keys[keys], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b.values[keys].double(), a.values[keys], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            b.score.double().masked_fill(~valid, 0), a.score.masked_fill(~valid, 0), rtol=1e-5, atol=1e-5
+        )
+        evicted += int((a.tokens - a.kept).sum())
+    assert evicted > 0
+
+
+@pytest.mark.parametrize("recipe", ["tova, per-head", "fixed-point, shared", "prompt-only"])
+def test_layers_the_kernels_do_not_cover_keep_the_eager_step(models, fused, recipe: str) -> None:
+    """Other rules and shared heads step as before, with `FUSED` on."""
+    _, single = models
+    profile = uniform_profile(single, 0.3, RECIPES[recipe])
+    prompt = _prompt([40, 27])
+    calls_before = len(fused)
+    tokens, logits, _ = _decode(single, profile, prompt, "fixed", steps=STEPS)
+    assert len(fused) == calls_before
+    triton_step.FUSED = False  # (monkeypatched: restored after the test)
+    plain_tokens, plain_logits, _ = _decode(single, profile, prompt, "fixed", steps=STEPS)
+    assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits)
+
+
+def test_the_kernels_compile_for_an_h100() -> None:
+    """The interpreter runs what the compiler may refuse: each kernel compiles for sm_90 in bfloat16
+    at Llama-3.1-8B's head dim and group (Triton ships ptxas, no GPU needed), without spilling."""
+    report = triton_step.compile_report(torch.bfloat16, head_dim=128, groups=4, arch=90)
+    assert set(report) == {"partials", "finish", "counters"}
+    for name, usage in report.items():
+        assert usage.get("stack_bytes") == 0, (name, usage)
