@@ -461,11 +461,12 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     drafted = [t for t in info.recipes if t.drafted_ppl is not None]
     if drafted:
         # The draft stage ran (--draft-stage): it ships its lowest drafted PPL when the held-out
-        # half, drafted too, is no worse than for the search's pick.
+        # half, drafted too, is no worse than for the search's pick; else the pick stays.
         challenger = min(drafted, key=lambda t: t.drafted_ppl)
         if challenger is not best:
-            assert challenger.drafted_held_out_ppl <= best.drafted_held_out_ppl
-            best = challenger
+            assert challenger.drafted_held_out_ppl is not None and best.drafted_held_out_ppl is not None
+            if challenger.drafted_held_out_ppl <= best.drafted_held_out_ppl:
+                best = challenger
     method = profile.method
     assert (best.eviction, best.selection, best.scorer, best.ratios, best.heads, best.recent_share, best.merge) == (
         method.eviction, method.selection, method.scorer, method.ratios, method.heads, method.recent_share, method.merge

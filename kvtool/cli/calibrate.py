@@ -101,7 +101,7 @@ def search_space(base: Any, options: list[str]) -> Any:
 
 
 # `--draft`'s default: kvtool.calibrate.config.DEFAULT_DRAFT (a test keeps them equal; importing it here costs torch).
-DRAFT_DEFAULT = "64,rounds=2,verify"
+DRAFT_DEFAULT = "32,rounds=2,verify"
 
 
 @app.command("calibrate")
