@@ -220,21 +220,26 @@ def attention_with_scores_triton(
     )
 
 
-_KERNELS: dict[bool, tuple] = {}
-
-
 def _kernels() -> tuple:
-    """The two kernels, for the interpreter when TRITON_INTERPRET is set now, else compiled (each
-    wrapped once per process)."""
-    mode = interpreting()
-    if mode not in _KERNELS:
-        if mode:
+    """The two kernels (`wrapped`)."""
+    return wrapped(_attn_fwd, _col_sums)
+
+
+_WRAPPED: dict[tuple, tuple] = {}
+
+
+def wrapped(*functions) -> tuple:
+    """Kernel functions for the interpreter when TRITON_INTERPRET is set now, else compiled (each
+    wrapped once per process and mode): this module's and kernels/triton_step.py's."""
+    key = (interpreting(), *functions)
+    if key not in _WRAPPED:
+        if key[0]:
             from triton.runtime.interpreter import InterpretedFunction
 
-            _KERNELS[mode] = (InterpretedFunction(_attn_fwd), InterpretedFunction(_col_sums))
+            _WRAPPED[key] = tuple(InterpretedFunction(fn) for fn in functions)
         else:
-            _KERNELS[mode] = (triton.jit(_attn_fwd), triton.jit(_col_sums))
-    return _KERNELS[mode]
+            _WRAPPED[key] = tuple(triton.jit(fn) for fn in functions)
+    return _WRAPPED[key]
 
 
 if triton is not None:
@@ -506,5 +511,6 @@ __all__ = [
     "prefill_flops",
     "reference_scores",
     "resource_usage",
+    "wrapped",
 ]
 

@@ -171,20 +171,9 @@ def _blocks() -> tuple[int, int]:
     return BLOCK_S, FINISH_BLOCK_S
 
 
-_KERNELS: dict[bool, tuple] = {}
-
-
 def _kernels() -> tuple:
-    """The three kernels, for the interpreter when TRITON_INTERPRET is set now, else compiled."""
-    mode = triton_scores.interpreting()
-    if mode not in _KERNELS:
-        if mode:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[mode] = tuple(InterpretedFunction(fn) for fn in (_partials, _finish, _counters))
-        else:
-            _KERNELS[mode] = tuple(triton.jit(fn) for fn in (_partials, _finish, _counters))
-    return _KERNELS[mode]
+    """The three kernels (`triton_scores.wrapped`)."""
+    return triton_scores.wrapped(_partials, _finish, _counters)
 
 
 if triton is not None:
