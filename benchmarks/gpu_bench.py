@@ -185,7 +185,8 @@ def run_ceiling(model, ids: torch.Tensor, new_tokens: int, profile) -> RunResult
 
 def run_kvtool(model, ids: torch.Tensor, new_tokens: int, profile, rows_at_once: int | None = None) -> RunResult:
     """`run_bench`'s kvtool run: the bare cache, the profile's draft capped at the answer's length
-    (`rows_at_once`: the prompt phase that many rows at a time, `kvtool.runtime.row_groups`)."""
+    (`rows_at_once`: the prompt phase that many rows at a time; None, as `prepare` chooses:
+    `kvtool.runtime.row_groups`)."""
     with attach(model, profile) as handle:
         draft = measure.capped(profile.method.draft, new_tokens)
         return run_once(model, ids, new_tokens, handle.bare_cache, draft=draft, rows_at_once=rows_at_once)
@@ -373,8 +374,8 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         return cell
 
     def held_on_gpu(model, prompt, new_tokens, profile):
-        with setting(held_prompt, "ON_HOST", False):
-            return run_kvtool(model, prompt, new_tokens, profile)
+        with setting(held_prompt, "ON_HOST", False):  # the whole batch at once: what holding on the GPU costs
+            return run_kvtool(model, prompt, new_tokens, profile, rows_at_once=len(prompt))
 
     def triton_forward(model, prompt, new_tokens, profile):
         with setting(triton_scores, "FORWARD", "triton"):

@@ -259,7 +259,7 @@ def test_each_draft_round_is_timed_in_the_prompt_phase_of_the_bench(tiny) -> Non
         hook = tiny.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         try:
             with attach(tiny.model, dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=Draft(3)))) as handle:
-                run_once(tiny.model, ids, 4, handle.bare_cache, draft=Draft(3, rounds))
+                run_once(tiny.model, ids, 4, handle.bare_cache, draft=Draft(3, rounds), rows_at_once=len(ids))
         finally:
             hook.remove()
         assert widths == [30] + [1, 1, 3] * rounds + [1] * 4
@@ -285,12 +285,12 @@ def test_a_verified_draft_round_drafts_from_the_last_rounds_prefix(tiny) -> None
     )
     try:
         with torch.no_grad(), attach(tiny.model, profile) as handle:
-            run_once(tiny.model, ids, 2, handle.bare_cache, draft=Draft(6, 2, verify=True))
+            run_once(tiny.model, ids, 2, handle.bare_cache, draft=Draft(6, 2, verify=True), rows_at_once=len(ids))
     finally:
         hook.remove()
     with torch.no_grad(), attach(tiny.model, profile) as handle:
         batch = left_pad(ids.tolist(), (0, 1), 0)
-        ready = prepare(tiny.model, batch, handle.bare_cache, Draft(6, 1, verify=True))
+        ready = prepare(tiny.model, batch, handle.bare_cache, Draft(6, 1, verify=True), rows=len(ids))
         second = drafted(tiny.model, ready.cache, ready.first_logits, batch, 6, ready.prefix)
     assert len(scored) == 2
     assert torch.equal(scored[1], second)

@@ -32,7 +32,8 @@ K = 5
 
 def draft_prompt_forward(model, batch, make_cache, tokens, rounds=1):
     """The prepared cache and the prompt's last logits (`runtime.draft.prepare`; `tokens` 0: no draft)."""
-    ready = prepare(model, batch, make_cache, Draft(tokens, rounds) if tokens else None)
+    # The whole batch at once: these tests are about the draft (the default splits a CPU batch, test_row_groups).
+    ready = prepare(model, batch, make_cache, Draft(tokens, rounds) if tokens else None, rows=len(batch.input_ids))
     return ready.cache, ready.first_logits
 RULES = {
     "shared-window-tova": dict(heads="shared", scorer="window", window=4, pool=3, evict="tova"),
@@ -128,7 +129,7 @@ def test_the_prompt_runs_once_and_the_draft_reads_it_held(llama, verify):
     hook = llama.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
     try:
         with torch.no_grad(), attach(llama, profile):
-            ready = prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, verify))
+            ready = prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, verify), rows=len(batch.input_ids))
     finally:
         hook.remove()
     width = batch.input_ids.shape[1]
@@ -160,7 +161,7 @@ def test_prepare_names_each_part_as_it_runs(llama):
     hook = llama.register_forward_pre_hook(lambda m, a, kw: seen.append((current[0], kw["input_ids"].shape[1])), with_kwargs=True)
     try:
         with torch.no_grad(), attach(llama, profile):
-            prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True), part=part)
+            prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True), part=part, rows=len(batch.input_ids))
             prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), None, part=part)
     finally:
         hook.remove()
@@ -395,12 +396,12 @@ def test_prompts_held_in_host_memory_prepare_the_same_cache(llama, monkeypatch):
     runs = []
     for on_host in (False, True, True):  # the second time from the first one's pinned buffers
         if on_host and not runs[1:]:
-            monkeypatch.setattr(held_prompt, "_on_host", lambda device: True)
+            monkeypatch.setattr(held_prompt, "held_on_host", lambda device: True)
             monkeypatch.setattr(held_prompt, "_to_host", to_host)
             monkeypatch.setattr(held_prompt, "_to_device", to_device)
             monkeypatch.setattr(held_prompt, "_arrived", arrive)
         with torch.no_grad(), attach(llama, profile):
-            runs.append(prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True)))
+            runs.append(prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True), rows=len(batch.input_ids)))
     # 3 layers, 2 runs through host memory: one copy out per layer and run, and one copy back per
     # layer and round, each read once, in the order they were started.
     assert copies == [2] * 6 and len(fetched) == 6 * 2 and arrived == list(range(1, 6 * 2 + 1))

@@ -26,7 +26,7 @@ K = 8
 
 def drafted_prompt(model, batch, make_cache, tokens, rounds, verify):
     """The prepared cache, the prompt's last logits and the verified prefix (`runtime.draft.prepare`)."""
-    ready = prepare(model, batch, make_cache, Draft(tokens, rounds, verify))
+    ready = prepare(model, batch, make_cache, Draft(tokens, rounds, verify), rows=len(batch.input_ids))
     return ready.cache, ready.first_logits, ready.prefix
 
 

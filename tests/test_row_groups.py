@@ -11,7 +11,8 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft, MethodSettings
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.graphed import Decoder
-from kvtool.runtime.row_groups import prepare_rows
+from kvtool.runtime.draft import prepare
+from kvtool.runtime.row_groups import rows_at_once
 from kvtool.runtime.steps import Prompt
 from tiny_models import left_pad, prompts, tiny_llama
 
@@ -29,7 +30,7 @@ def model():
 
 def _run(model, make_cache, prompt: Prompt, draft, rows, mode: str = "eager", steps: int = 16):
     with torch.inference_mode():
-        ready = prepare_rows(model, prompt, make_cache, draft, rows)
+        ready = prepare(model, prompt, make_cache, draft, rows=rows)
         decoder = Decoder(model, ready.cache, steps, mode)
         logits, tokens = ready.first_logits, []
         for step in range(steps):
@@ -45,7 +46,7 @@ def _run(model, make_cache, prompt: Prompt, draft, rows, mode: str = "eager", st
 def test_rows_at_a_time_decode_what_the_batch_decodes(model, draft, rows: int) -> None:
     prompt = Prompt.of(left_pad(prompts([41, 30, 36], seed=6)))
     with attach(model, uniform_profile(model, 0.3, SHIPPED)) as handle:
-        want, whole = _run(model, handle.bare_cache, prompt, draft, None)
+        want, whole = _run(model, handle.bare_cache, prompt, draft, prompt.input_ids.shape[0])
         got, grouped = _run(model, handle.bare_cache, prompt, draft, rows)
         fixed, _ = _run(model, handle.bare_cache, prompt, draft, rows, mode="fixed")
     assert torch.equal(got, want) and torch.equal(fixed, want)
@@ -73,7 +74,52 @@ def test_rows_at_a_time_refuse_what_they_cannot_split(model) -> None:
     prompt = Prompt.of(left_pad(prompts([20, 12], seed=6)))
     with attach(model, uniform_profile(model, 0.3, SHIPPED)) as handle:
         with pytest.raises(KvtoolError, match="at least 1"):
-            prepare_rows(model, prompt, handle.bare_cache, None, 0)
+            prepare(model, prompt, handle.bare_cache, None, rows=0)
         pixels = Prompt(prompt.input_ids, prompt.attention_mask, prompt.position_ids, extras={"pixel_values": torch.zeros(2, 3)})
         with pytest.raises(KvtoolError, match="image inputs"):
-            prepare_rows(model, pixels, handle.bare_cache, None, 1)
+            prepare(model, pixels, handle.bare_cache, None, rows=1)
+
+
+@pytest.mark.parametrize(
+    ("batch", "kept", "want"),
+    [(1, 0.2, 1), (2, 0.2, 1), (3, 0.2, 2), (4, 0.2, 2), (8, 0.2, 4), (8, 0.5, 4), (4, 0.7, 1), (5, 0.6, 2)],
+)
+def test_a_draft_on_a_cpu_splits_the_batch_so_the_held_prompt_fits_under_the_full_cache(model, batch, kept, want) -> None:
+    with attach(model, uniform_profile(model, kept, SHIPPED)) as handle:
+        cache = handle.bare_cache()
+        rows = rows_at_once(batch, Draft(4), cache, torch.device("cpu"))
+        assert rows == want
+        groups = -(-batch // rows)
+        # The largest group's held prompt beside every row's compressed cache, in rows' worth of a
+        # full cache: within the batch's own (a single row cannot be split).
+        assert rows + kept * batch <= batch or rows == 1
+        if groups > 1:  # no more groups than that takes: one fewer would not fit
+            assert -(-batch // (groups - 1)) + kept * batch > batch
+        assert rows_at_once(batch, None, cache, torch.device("cpu")) == batch  # nothing held: all at once
+        assert rows_at_once(batch, Draft(4), cache, torch.device("cpu"), extras=True) == batch
+
+
+def test_held_prompts_in_host_memory_run_the_batch_at_once(model, monkeypatch) -> None:
+    from kvtool.runtime.layer import held_prompt
+
+    monkeypatch.setattr(held_prompt, "held_on_host", lambda device: True)
+    with attach(model, uniform_profile(model, 0.2, SHIPPED)) as handle:
+        assert rows_at_once(4, Draft(4), handle.bare_cache(), torch.device("cpu")) == 4
+
+
+def test_the_default_prompt_phase_with_a_draft_is_the_batch_run_rows_at_a_time(model, monkeypatch) -> None:
+    """`prepare` without `rows` splits a CPU batch with a draft (`rows_at_once`) and gives each row
+    what the whole batch at once gives it."""
+    from kvtool.runtime import draft as drafting
+
+    prompt = Prompt.of(left_pad(prompts([41, 30, 36, 33], seed=7)))
+    seen = []
+    original = drafting._prepare
+    monkeypatch.setattr(drafting, "_prepare", lambda model, prompt, *rest: seen.append(prompt.input_ids.shape[0]) or original(model, prompt, *rest))
+    with attach(model, uniform_profile(model, 0.3, SHIPPED)) as handle:
+        want, whole = _run(model, handle.bare_cache, prompt, Draft(4, rounds=2, verify=True), 4)
+        got, default = _run(model, handle.bare_cache, prompt, Draft(4, rounds=2, verify=True), None)
+    assert seen == [4, 2, 2]
+    assert torch.equal(got, want) and torch.equal(default.prefix.tokens, whole.prefix.tokens)
+    for a, b in zip(whole.cache.layers, default.cache.layers):
+        assert np.array_equal(a.kept, b.kept)

@@ -30,11 +30,12 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft, Profile
 from kvtool.runtime import attach
 from kvtool.runtime.attach import layer_plans
+from kvtool.runtime.draft import prepare
 from kvtool.runtime.graphed import Decoder
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.memory import kv_bytes
-from kvtool.runtime.row_groups import prepare_rows
+from kvtool.runtime.row_groups import rows_at_once
 from kvtool.runtime.steps import Prompt
 
 # The three caches, in the order each round runs them (keys of the JSON report).
@@ -120,6 +121,9 @@ class BenchResult:
     prompt_blocks: BlockTuning | None = None
     # The three caches decoding in turns (None when the run skipped it).
     side_by_side: SideBySide | None = None
+    # Rows kvtool's prompt phase ran at once (`runtime.row_groups.rows_at_once`; the batch unless a
+    # draft held its prompt in the memory the model computes in).
+    prompt_rows_at_once: int | None = None
 
     @property
     def decode_speedup(self) -> float:
@@ -209,7 +213,8 @@ def run_once(
 ) -> RunResult:
     """One prompt forward plus `new_tokens` greedy one-token forwards with a fresh cache. With a
     `draft`, the prompt phase also drafts and compresses the prompt again: every pass counts as
-    the prompt phase. `rows_at_once`: the prompt phase that many rows at a time (`runtime.row_groups`)."""
+    the prompt phase. `rows_at_once`: the prompt phase that many rows at a time (None: as `prepare`
+    chooses, `runtime.row_groups.rows_at_once`)."""
     device = ids.device
     release_memory(device)
     with track_peak(device) as peak:
@@ -259,7 +264,7 @@ def prompt_phase(
 ) -> DecodeState:
     """The prompt forward of `run_once` (and with a `draft` its rounds, `kvtool.runtime.draft.prepare`):
     the cache and the first new token."""
-    ready = prepare_rows(model, Prompt.of({"input_ids": ids}), make_cache, draft, rows_at_once)
+    ready = prepare(model, Prompt.of({"input_ids": ids}), make_cache, draft, rows=rows_at_once)
     if after_prefill is not None:
         after_prefill(ready.cache)
     return DecodeState(cache=ready.cache, token=ready.first_logits.argmax(-1, keepdim=True), prompt_tokens=ids.shape[1])
@@ -298,7 +303,8 @@ def run_bench(
     if tuple(ids.shape) != (config.batch, config.prompt_tokens):
         expected = (config.batch, config.prompt_tokens)
         raise KvtoolError(f"prompt ids have shape {tuple(ids.shape)}, expected {expected}")
-    attach(model, profile).detach()  # refuses a profile made for another model before any run
+    with attach(model, profile) as handle:  # refuses a profile made for another model before any run
+        rows = rows_at_once(config.batch, capped(profile.method.draft, config.new_tokens), handle.bare_cache(), ids.device)
     plans = layer_plans(profile)
 
     def plain_cache() -> Any:
@@ -381,4 +387,5 @@ def run_bench(
         peak_memory_method=peak_memory_method(ids.device),
         prompt_blocks=blocks,
         side_by_side=paired,
+        prompt_rows_at_once=rows,
     )

@@ -62,6 +62,7 @@ def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[st
             "decode_speedup": result.side_by_side.decode_speedup,
             "decode_speedup_ceiling": result.side_by_side.decode_speedup_ceiling,
         },
+        "prompt_rows_at_once": result.prompt_rows_at_once,
         "prompt_blocks": None if result.prompt_blocks is None else {
             "chosen_elements": result.prompt_blocks.chosen,
             "seconds": {str(k): v for k, v in result.prompt_blocks.seconds.items()},
@@ -123,6 +124,16 @@ def render(console: Console, result: BenchResult, *, model: str, source: str, pr
         f"cache's tokens/s (ceiling {result.decode_speedup_ceiling:.2f}x: kvtool reaches {share:.0%} of it)"
     )
     console.print(f"prompt phase: kvtool takes {result.prefill_ratio:.2f}x the full cache's time")
+    rows = result.prompt_rows_at_once
+    if rows is not None and rows < config.batch:
+        console.print(
+            Text(
+                f"kvtool's prompt phase ran {rows} rows at a time: its draft holds the prompt in this memory, "
+                "beside the compressed cache",
+                style="dim",
+            ),
+            soft_wrap=True,
+        )
     blocks = result.prompt_blocks
     if blocks is not None:
         timed = ", ".join(f"2^{k.bit_length() - 1} {v * 1e3:.0f} ms" for k, v in blocks.seconds.items())

@@ -20,7 +20,8 @@ scored, which keeps more of what the answer reads, so the draft is closer to the
 answer and the next scores closer to what that answer needs. Each round costs `tokens` - 1 steps
 through the compressed cache and one `tokens`-row forward; the held prompt is the full cache's own
 size and is let go once the last round has compressed. On a GPU it waits in pinned host memory
-(`runtime.layer.held_prompt`), so the prompt phase's peak stays below the full cache's.
+(`runtime.layer.held_prompt`), so the prompt phase's peak stays below the full cache's; on a CPU
+the batch's rows are prepared a group at a time for the same reason (`runtime.row_groups`).
 
 **Verified drafts** (`verify`). The forward of step 2 runs the draft rows with full attention over
 the whole prompt and over each other: its logits at the draft's positions are the full cache's own
@@ -53,6 +54,7 @@ from kvtool.runtime.graphed_generate import loop_for
 from kvtool.runtime.held import HeldCache
 from kvtool.runtime.layer.held_prompt import let_go
 from kvtool.runtime.memory import too_short_to_compress
+from kvtool.runtime.row_groups import check_rows, join_caches, rows_at_once
 from kvtool.runtime.steps import Prompt, prompt_forward, step_tokens
 
 
@@ -174,7 +176,8 @@ def with_draft(prompt: Prompt, draft: torch.Tensor) -> Prompt:
 
 
 def prepare(
-    model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Draft | None, *, part: Callable[[str], Any] | None = None
+    model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Draft | None, *,
+    part: Callable[[str], Any] | None = None, rows: int | None = None,
 ) -> Prepared:
     """The prompt of `prompt` in a fresh cache from `make_cache`, compressed with `draft`'s attention
     in its scores (`draft.rounds` times, each draft through the last round's cache; `draft.verify`:
@@ -183,9 +186,28 @@ def prepare(
     The prompt runs once: its layers hold their whole prompt aside (`KvtoolCache.hold_prompt`), each
     round's draft is one forward of `draft.tokens` rows over it (`HeldCache`), and the next cache is
     compressed from it with their attention added, in that forward (`runtime.held`). `part(name)`, a
-    context manager, wraps each of PARTS as it runs (benchmarks time them by it)."""
-    part = part or contextlib.nullcontext
+    context manager, wraps each of PARTS as it runs (benchmarks time them by it). `rows`: that many
+    rows at a time, their caches joined (None: `row_groups.rows_at_once`, which splits the batch
+    only where a draft's held prompt would put the peak above the full cache's)."""
+    batch = prompt.input_ids.shape[0]
     cache = make_cache()
+    if rows is None:
+        rows = rows_at_once(batch, draft, cache, model.device, bool(prompt.extras))
+    if rows >= batch:
+        return _prepare(model, prompt, cache, make_cache, draft, part or contextlib.nullcontext)
+    check_rows(rows, bool(prompt.extras))
+    del cache
+    parts = [prepare(model, prompt.row_slice(slice(start, start + rows)), make_cache, draft, part=part, rows=rows)
+             for start in range(0, batch, rows)]
+    prefixes = [p.prefix for p in parts]
+    prefix = None if prefixes[0] is None else Verified(
+        torch.cat([p.tokens for p in prefixes]), torch.cat([p.lengths for p in prefixes])
+    )
+    return Prepared(join_caches([p.cache for p in parts], make_cache), torch.cat([p.first_logits for p in parts]), prefix)
+
+
+def _prepare(model: Any, prompt: Prompt, cache: Any, make_cache: Callable[[], Any], draft: Draft | None, part: Callable[[str], Any]) -> Prepared:
+    """`prepare` of every row of `prompt` at once, into `cache` (fresh from `make_cache`)."""
     if draft is None:
         with part(PROMPT_FORWARD):
             return Prepared(cache, prompt_forward(model, prompt, cache))

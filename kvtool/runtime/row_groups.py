@@ -1,19 +1,27 @@
 """The prompt phase a few rows at a time, joined into one cache: the batch's peak is one group's.
 
 A prompt forward holds every row's activations and, until a kvtool layer compresses it (with a
-draft, until the last round), its whole keys and values. At 32k tokens of an 8B model that is
-about 8 GB a row, while a compressed row keeps under 1 GB; so run as one forward, the prompt phase
-and not the cache bounds how many rows fit on a GPU (docs/results.md, capacity). `prepare_rows`
-runs the prompt phase (`draft.prepare`) for `rows` rows at a time and joins the compressed caches
-row-wise (`CompressingLayer.stacked`): the peak is one group's forward beside the compressed rows.
+draft, until the last round), its whole keys and values. So run as one forward, the prompt phase
+and not the cache bounds the batch:
+- on a GPU at 32k tokens of an 8B model a row costs about 8 GB there, while a compressed row keeps
+  under 1 GB (docs/results.md, capacity): `kvtool.runtime.draft.prepare` takes `rows` from a caller
+  who wants that (gpu_bench's capacity cells);
+- where a draft holds its prompt in the memory the model computes in (a CPU), the held prompt is the
+  full cache's own keys and values, and the compressed cache sits beside it: over the whole batch,
+  the prompt phase's peak is the full cache's plus the compressed cache. `rows_at_once` is the
+  default there: groups small enough that one group's held prompt and every row's compressed cache
+  stay within the batch's full cache. One row cannot be split, so a batch of one stays above by
+  its compressed cache (about the budget's share of its keys and values).
 
 Each row's result is what the batch gives it: the rows of a left-padded batch never mix, and every
 group keeps the batch's width, so positions and padding are the same (tests/test_row_groups.py).
-A plain cache joins too (its keys and values concatenated), but holds both copies while it does.
+`join_caches` joins the groups' caches row-wise (`CompressingLayer.stacked`); a plain cache joins
+too (its keys and values concatenated), but holds both copies while it does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,30 +30,39 @@ from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft
-from kvtool.runtime.draft import Prepared, Verified, prepare
 from kvtool.runtime.layer import CompressingLayer
-from kvtool.runtime.steps import Prompt
+from kvtool.runtime.layer import held_prompt
 
 
-def prepare_rows(model: Any, prompt: Prompt, make_cache: Callable[[], Any], draft: Draft | None, rows: int | None) -> Prepared:
-    """`prepare` of `prompt`, `rows` rows at a time (None or at least the batch: all at once)."""
-    batch = prompt.input_ids.shape[0]
-    if rows is None or rows >= batch:
-        return prepare(model, prompt, make_cache, draft)
+def rows_at_once(batch: int, draft: Draft | None, cache: Any, device: torch.device, extras: bool = False) -> int:
+    """How many of `batch` rows a prompt phase into caches like `cache` runs at once by default.
+
+    All of them, unless a `draft` holds the prompt in the memory the model computes in (not on a GPU,
+    `held_prompt.held_on_host`): then as few groups as keep one group's share of the batch plus the
+    kept share (`kept_share`) within one, `ceil(batch / floor(batch * (1 - kept)))`, of equal size.
+    Prompts with image inputs (`extras`) run at once: their pixel inputs do not split by row."""
+    if draft is None or batch < 2 or extras or held_prompt.held_on_host(device):
+        return batch
+    per_group = max(1, math.floor(batch * (1.0 - kept_share(cache))))
+    groups = -(-batch // per_group)
+    return -(-batch // groups)
+
+
+def kept_share(cache: Any) -> float:
+    """The share of a full cache's entries `cache` keeps after the prompt, averaged over its layers
+    (layers that do not compress keep all)."""
+    layers = getattr(cache, "layers", [])
+    if not layers:
+        return 1.0
+    return sum(layer.plan.ratio if isinstance(layer, CompressingLayer) else 1.0 for layer in layers) / len(layers)
+
+
+def check_rows(rows: int, extras: bool) -> None:
+    """A one-line KvtoolError for rows a prompt phase cannot run at once."""
     if rows < 1:
         raise KvtoolError(f"rows at a time must be at least 1, got {rows}")
-    if prompt.extras:
+    if extras:
         raise KvtoolError("a prompt with image inputs runs its rows at once (its pixel inputs do not split by row)")
-    parts = []
-    for start in range(0, batch, rows):
-        parts.append(prepare(model, prompt.rows(slice(start, start + rows)), make_cache, draft))
-    cache = join_caches([part.cache for part in parts], make_cache)
-    first = torch.cat([part.first_logits for part in parts])
-    prefixes = [part.prefix for part in parts]
-    prefix = None if prefixes[0] is None else Verified(
-        torch.cat([p.tokens for p in prefixes]), torch.cat([p.lengths for p in prefixes])
-    )
-    return Prepared(cache, first, prefix)
 
 
 def join_caches(caches: list[Any], make_cache: Callable[[], Any]) -> Any:

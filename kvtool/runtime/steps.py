@@ -45,7 +45,7 @@ class Prompt:
         following = self.attention_mask.sum(dim=1, keepdim=True)
         return following if self.position_offset is None else following + self.position_offset
 
-    def rows(self, index: slice) -> "Prompt":
+    def row_slice(self, index: slice) -> "Prompt":
         """The prompt of rows `index` alone, at the batch's width (text prompts: `extras` stay whole)."""
         offset = None if self.position_offset is None else self.position_offset[index]
         return Prompt(

@@ -48,7 +48,7 @@ class HeldPrompt:
         layer goes on writing into these tensors, so a copy is held even on the device."""
         if private:  # on a GPU also: the copy out must not race the layer's later writes
             keys, values = keys.clone(), values.clone()
-        if _on_host(keys.device):
+        if held_on_host(keys.device):
             (keys, values), copied = _to_host(keys, values)
             return cls(keys, values, token_valid, scores, image, copied)
         return cls(keys, values, token_valid, scores, image)
@@ -86,7 +86,8 @@ def let_go(held: list[HeldPrompt]) -> None:
     held.clear()
 
 
-def _on_host(device: torch.device) -> bool:
+def held_on_host(device: torch.device) -> bool:
+    """Whether a draft's prompts held for a model on `device` leave its memory (pinned host memory)."""
     return ON_HOST and device.type == "cuda"
 
 
