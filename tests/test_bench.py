@@ -99,6 +99,11 @@ def test_side_by_side_decode_turns_and_its_ratios(capsys, monkeypatch, tiny_llam
     rates = paired["decode_tok_s"]
     assert paired["decode_speedup"] == pytest.approx(rates["compressed"] / rates["full"])
     assert paired["decode_speedup_ceiling"] == pytest.approx(rates["ceiling"] / rates["full"])
+    # Each untimed prompt phase's tensor peak: the full cache's holds at least its prompt's keys and
+    # values; the ceiling's is the full cache's forward, then its truncated copies.
+    peaks = paired["prompt_tensor_peak_bytes"]
+    prompt_kv = report["full"]["kv_bytes"] * 48 // (48 + 10)  # SMALL's prompt tokens, then 10 new ones
+    assert peaks["full"] >= prompt_kv and peaks["ceiling"] >= peaks["full"] and peaks["compressed"] > 0
     assert bench_json(capsys, monkeypatch, tiny_llama_dir, "--no-side-by-side")["side_by_side"] is None
 
 

@@ -123,3 +123,43 @@ def test_the_default_prompt_phase_with_a_draft_is_the_batch_run_rows_at_a_time(m
     assert torch.equal(got, want) and torch.equal(default.prefix.tokens, whole.prefix.tokens)
     for a, b in zip(whole.cache.layers, default.cache.layers):
         assert np.array_equal(a.kept, b.kept)
+
+
+def test_the_default_prompt_phase_with_a_draft_holds_no_more_tensor_memory_than_the_full_cache() -> None:
+    """What a prompt phase has allocated at its most (`bench.peak.track_tensor_peak`, exact bytes):
+    a draft's held prompt beside the compressed cache is above the full cache's for the whole batch
+    at once, and the default's row groups bring it under."""
+    from kvtool.bench.peak import track_tensor_peak
+    from kvtool.runtime.steps import prompt_forward
+
+    model = tiny_llama(dtype=torch.float32, layers=6, seed=3)
+    prompt = Prompt.of(left_pad(prompts([160, 150, 170, 165], seed=8)))
+    cpu = torch.device("cpu")
+    peaks = {}
+    with torch.inference_mode():
+        with track_tensor_peak(cpu) as full:
+            prompt_forward(model, prompt, DynamicCache(config=model.config))
+        with attach(model, uniform_profile(model, 0.2, SHIPPED)) as handle:
+            for rows in (4, None):
+                with track_tensor_peak(cpu) as peak:
+                    ready = prepare(model, prompt, handle.bare_cache, Draft(8, rounds=2, verify=True), rows=rows)
+                peaks[rows] = peak.bytes
+                del ready
+            assert rows_at_once(4, Draft(8), handle.bare_cache(), cpu) == 2
+    assert peaks[None] <= full.bytes < peaks[4]
+
+
+def test_the_tensor_peak_counts_what_a_block_holds_at_its_most() -> None:
+    from kvtool.bench.peak import track_tensor_peak
+
+    before = torch.empty(1 << 20)  # made before the block: the block's count never sees it freed
+    with track_tensor_peak(torch.device("cpu")) as peak:
+        a = torch.empty(1 << 20)  # 4 MiB
+        b = torch.empty(2 << 20)
+        del a
+        c = torch.empty(1 << 19)
+        del before
+        d = torch.empty(2 << 20)
+        del c
+    assert peak.bytes == (8 + 2 + 8) << 20  # b, c and d at once
+    del b, d

@@ -18,14 +18,14 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtool.bench.config import WARMUP_NEW_TOKENS, WARMUP_PROMPT_TOKENS, BenchConfig
-from kvtool.bench.peak import peak_memory_method, release_memory, track_peak
+from kvtool.bench.peak import peak_memory_method, release_memory, track_peak, track_tensor_peak
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft, Profile
 from kvtool.runtime import attach
@@ -154,6 +154,9 @@ class SideBySide:
 
     turn_steps: int
     tok_s: dict[str, tuple[float, ...]]  # cache name -> tok/s of each of its turns
+    # cache name -> the most tensor bytes its (untimed) prompt phase had allocated at once
+    # (`kvtool.bench.peak.track_tensor_peak`): the peak without the resident set's noise.
+    prompt_tensor_peak: dict[str, int] = field(default_factory=dict)
 
     def decode_tok_s(self, name: str) -> float:
         return statistics.median(self.tok_s[name])
@@ -320,20 +323,23 @@ def run_bench(
         return run_once(model, prompt, new_tokens, plain_cache)
 
     def side_by_side() -> SideBySide:
-        """Each cache's prompt phase again (untimed), then the three decode `new_tokens` steps each
+        """Each cache's prompt phase again (untimed, its tensors' peak measured), then the three decode `new_tokens` steps each
         in turns: the runs above decode minutes apart, so the machine's drift between them enters
         their ratio; here every turn of one cache sits between turns of the other two."""
         states: dict[str, DecodeState] = {}
+        tensor_peak: dict[str, int] = {}
         for name in CACHES:
             if progress is not None:
                 progress(f"side by side: prompt phase, {LABELS[name]}")
-            if name == COMPRESSED:
-                with attach(model, profile) as handle:
-                    draft = capped(profile.method.draft, config.new_tokens)
-                    states[name] = prompt_phase(model, ids, handle.bare_cache, draft=draft)
-            else:
-                after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None
-                states[name] = prompt_phase(model, ids, plain_cache, after)
+            with track_tensor_peak(ids.device) as peak:
+                if name == COMPRESSED:
+                    with attach(model, profile) as handle:
+                        draft = capped(profile.method.draft, config.new_tokens)
+                        states[name] = prompt_phase(model, ids, handle.bare_cache, draft=draft)
+                else:
+                    after = (lambda cache: truncate_like(cache, plans)) if name == CEILING else None
+                    states[name] = prompt_phase(model, ids, plain_cache, after)
+            tensor_peak[name] = peak.bytes
             states[name].planned = config.new_tokens
         tok_s: dict[str, list[float]] = {name: [] for name in CACHES}
         turn = 0
@@ -348,7 +354,7 @@ def run_bench(
                     _sync(ids.device)
                     tok_s[name].append(ids.shape[0] * steps / (time.perf_counter() - start))
             turn += 1
-        return SideBySide(turn_steps=TURN_STEPS, tok_s={name: tuple(v) for name, v in tok_s.items()})
+        return SideBySide(turn_steps=TURN_STEPS, tok_s={name: tuple(v) for name, v in tok_s.items()}, prompt_tensor_peak=tensor_peak)
 
     blocks = None
     if ids.device.type == "cpu":

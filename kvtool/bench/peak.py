@@ -5,6 +5,12 @@ CPU: the process's resident set size (RSS), read from /proc/self/statm by a back
 every 5 ms while the run lasts; the maximum sample. Where /proc is missing (macOS), the process's
 lifetime peak RSS from `resource.getrusage` (`ru_maxrss`), which never goes down, so later runs
 report at least what earlier ones did.
+
+The resident set is what the machine feels, but it spreads by up to 0.6 GB between identical runs
+(glibc keeps freed activations resident in fragmented heaps). `track_tensor_peak` measures what the
+code itself holds, the same in every run: the most bytes of tensors the block had allocated at
+once, net of what it freed, from the allocation events of torch's profiler (on CUDA from the
+allocator's own peak). It slows the block, so the benchmark takes it from untimed runs.
 """
 
 from __future__ import annotations
@@ -132,3 +138,53 @@ def track_peak(device: torch.device) -> Iterator[PeakReading]:
         yield reading
     finally:
         reading.bytes = sampler.stop()
+
+
+@contextmanager
+def track_tensor_peak(device: torch.device) -> Iterator[PeakReading]:
+    """The most bytes of tensors the block had allocated at once, net of those of them it freed
+    (filled in when the block ends). On a CPU the profiler does not see the block free tensors made
+    before it; on CUDA such frees lower the block's count."""
+    reading = PeakReading()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            yield reading
+        finally:
+            torch.cuda.synchronize(device)
+            reading.bytes = int(torch.cuda.max_memory_allocated(device)) - start
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler prints a line to stderr as it starts and stops
+        profiler.start()
+    try:
+        yield reading
+    finally:
+        with _quiet_stderr():
+            profiler.stop()
+    changes = sorted(
+        (event.start_ns(), event.nbytes()) for event in profiler.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    held = peak = 0
+    for _, nbytes in changes:  # an allocation's nbytes is positive, a free's negative
+        held += nbytes
+        peak = max(peak, held)
+    reading.bytes = peak
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

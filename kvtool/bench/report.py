@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvtool.bench.measure import CACHES, LABELS, BenchResult, CacheStats
+from kvtool.bench.measure import CACHES, COMPRESSED, FULL, LABELS, BenchResult, CacheStats
 from kvtool.units import human_bytes
 
 # Keys of each of "full", "compressed" and "ceiling" in the JSON object.
@@ -61,6 +61,7 @@ def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[st
             "turns_tok_s": {name: list(result.side_by_side.tok_s[name]) for name in CACHES},
             "decode_speedup": result.side_by_side.decode_speedup,
             "decode_speedup_ceiling": result.side_by_side.decode_speedup_ceiling,
+            "prompt_tensor_peak_bytes": dict(result.side_by_side.prompt_tensor_peak),
         },
         "prompt_rows_at_once": result.prompt_rows_at_once,
         "prompt_blocks": None if result.prompt_blocks is None else {
@@ -124,6 +125,14 @@ def render(console: Console, result: BenchResult, *, model: str, source: str, pr
         f"cache's tokens/s (ceiling {result.decode_speedup_ceiling:.2f}x: kvtool reaches {share:.0%} of it)"
     )
     console.print(f"prompt phase: kvtool takes {result.prefill_ratio:.2f}x the full cache's time")
+    if paired is not None and paired.prompt_tensor_peak:
+        peaks = paired.prompt_tensor_peak
+        held = ", ".join(f"{LABELS[name]} {human_bytes(peaks[name])}" for name in CACHES)
+        full = peaks[FULL]
+        console.print(
+            f"prompt phase, most tensor memory allocated at once (untimed runs; {held}): kvtool "
+            f"{peaks[COMPRESSED] / full if full else 0.0:.2f}x the full cache's"
+        )
     rows = result.prompt_rows_at_once
     if rows is not None and rows < config.batch:
         console.print(
