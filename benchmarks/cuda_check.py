@@ -134,7 +134,8 @@ def held_on_host_matches(model, profile, inputs: dict[str, torch.Tensor]) -> boo
         for on_host in (False, True, True):
             held_prompt.ON_HOST = on_host
             with torch.inference_mode(), attach(model, profile) as handle:
-                runs.append(prepare(model, Prompt.of(inputs), handle.bare_cache, profile.method.draft))
+                prompt = Prompt.of(inputs)  # the whole batch at once, wherever the prompt is held
+                runs.append(prepare(model, prompt, handle.bare_cache, profile.method.draft, rows=len(prompt.input_ids)))
     finally:
         held_prompt.ON_HOST = saved
     gpu, same = runs[0], True

@@ -8,7 +8,8 @@ draft's forward reads that layer (which compresses it again there: runtime.held)
 back started on the side stream while the layer before it computes (`fetch`). On a CPU they stay
 where they are, and the layer compresses its prompt only once the prompt forward has ended
 (`PromptCompression.compress_pending`), so no compressed copy sits beside it under the forward's
-activations.
+activations, and a batch is prepared a group of rows at a time (`runtime.row_groups`), so one
+group's held prompt and every row's compressed cache stay within the full cache's keys and values.
 """
 
 from __future__ import annotations
