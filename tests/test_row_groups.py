@@ -99,6 +99,17 @@ def test_a_draft_on_a_cpu_splits_the_batch_so_the_held_prompt_fits_under_the_ful
         assert rows_at_once(batch, Draft(4), cache, torch.device("cpu"), extras=True) == batch
 
 
+def test_a_cache_with_a_layer_that_keeps_everything_runs_the_batch_at_once(model) -> None:
+    """Its groups could not be joined (`CompressingLayer.stacked` joins compressed layers only)."""
+    from tiny_models import profile_with
+
+    for ratios, want in (([0.2, 1.0, 0.2], 4), ([1.0] * 3, 4), ([0.2] * 3, 2)):
+        with attach(model, profile_with(model, ratios)) as handle:
+            assert rows_at_once(4, Draft(4), handle.bare_cache(), torch.device("cpu")) == want
+            ready = prepare(model, Prompt.of(left_pad(prompts([30, 26, 33, 28], seed=2))), handle.bare_cache, Draft(4))
+            assert ready.first_logits.shape[0] == 4
+
+
 def test_held_prompts_in_host_memory_run_the_batch_at_once(model, monkeypatch) -> None:
     from kvtool.runtime.layer import held_prompt
 

@@ -10,8 +10,8 @@ and not the cache bounds the batch:
   full cache's own keys and values, and the compressed cache sits beside it: over the whole batch,
   the prompt phase's peak is the full cache's plus the compressed cache. `rows_at_once` is the
   default there: groups small enough that one group's held prompt and every row's compressed cache
-  stay within the batch's full cache. One row cannot be split, so a batch of one stays above by
-  its compressed cache (about the budget's share of its keys and values).
+  stay within the batch's full cache. One row cannot be split; nor can a cache with a layer that
+  keeps everything (`joinable`), which run at once as before.
 
 Each row's result is what the batch gives it: the rows of a left-padded batch never mix, and every
 group keeps the batch's width, so positions and padding are the same (tests/test_row_groups.py).
@@ -40,21 +40,26 @@ def rows_at_once(batch: int, draft: Draft | None, cache: Any, device: torch.devi
     All of them, unless a `draft` holds the prompt in the memory the model computes in (not on a GPU,
     `held_prompt.held_on_host`): then as few groups as keep one group's share of the batch plus the
     kept share (`kept_share`) within one, `ceil(batch / floor(batch * (1 - kept)))`, of equal size.
-    Prompts with image inputs (`extras`) run at once: their pixel inputs do not split by row."""
-    if draft is None or batch < 2 or extras or held_prompt.held_on_host(device):
+    Prompts with image inputs (`extras`) run at once: their pixel inputs do not split by row. So do
+    caches with a layer that keeps everything or is not kvtool's (`joinable`)."""
+    if draft is None or batch < 2 or extras or held_prompt.held_on_host(device) or not joinable(cache):
         return batch
     per_group = max(1, math.floor(batch * (1.0 - kept_share(cache))))
     groups = -(-batch // per_group)
     return -(-batch // groups)
 
 
-def kept_share(cache: Any) -> float:
-    """The share of a full cache's entries `cache` keeps after the prompt, averaged over its layers
-    (layers that do not compress keep all)."""
+def joinable(cache: Any) -> bool:
+    """Whether groups of rows prepared in caches like `cache` join into one (`join_caches`): every
+    layer compresses (`CompressingLayer.stacked` joins compressed layers only)."""
     layers = getattr(cache, "layers", [])
-    if not layers:
-        return 1.0
-    return sum(layer.plan.ratio if isinstance(layer, CompressingLayer) else 1.0 for layer in layers) / len(layers)
+    return bool(layers) and all(isinstance(layer, CompressingLayer) and layer.compresses for layer in layers)
+
+
+def kept_share(cache: Any) -> float:
+    """The share of a full cache's entries `cache` (every layer a CompressingLayer) keeps after the
+    prompt, averaged over its layers."""
+    return sum(layer.plan.ratio for layer in cache.layers) / len(cache.layers)
 
 
 def check_rows(rows: int, extras: bool) -> None:
