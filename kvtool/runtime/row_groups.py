@@ -30,8 +30,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft
-from kvtool.runtime.layer import CompressingLayer
-from kvtool.runtime.layer import held_prompt
+from kvtool.runtime.layer import CompressingLayer, held_prompt
 
 
 def rows_at_once(batch: int, draft: Draft | None, cache: Any, device: torch.device, extras: bool = False) -> int:
