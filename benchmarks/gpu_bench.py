@@ -9,13 +9,11 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
 (b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
 (c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
-(c') on a GPU, (c) with the prompt pass's output and log-sum-exp from kvtool's Triton kernel
-    (`triton_scores.FORWARD = "triton"`) instead of torch's fused one (kernels/fused_forward.py, the default);
 (d) kvtool's default recipe (the same with the built-in profile's drafted answer, verified),
     its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
     them held on the GPU;
-(c'', d') on a GPU, (c) and (d) with each decode step's kvtool work in three Triton kernels a layer
-    (kernels/triton_step.py, `triton_step.FUSED`) instead of about 40 eager ones;
+(c', d') on a GPU, (c) and (d) with each decode step's kvtool work in about 40 eager ops a layer
+    (`triton_step.FUSED` off) instead of the three Triton kernels of kernels/triton_step.py (the default);
 each as the median with min-max over `--repeats` runs of: prompt-phase seconds, decode tok/s,
 end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in the whole run
 (torch.cuda.max_memory_allocated on a GPU).
@@ -83,7 +81,7 @@ from kvtool.runtime import draft as drafting  # noqa: E402
 from kvtool.runtime.attach import layer_plans  # noqa: E402
 from kvtool.runtime.graphed import Decoder  # noqa: E402
 from kvtool.runtime.importance import tune_blocks  # noqa: E402
-from kvtool.runtime.kernels import triton_scores, triton_step  # noqa: E402
+from kvtool.runtime.kernels import triton_step  # noqa: E402
 from kvtool.runtime.layer import held_prompt  # noqa: E402
 from kvtool.runtime.steps import Prompt, prompt_forward  # noqa: E402
 
@@ -115,13 +113,13 @@ LAST_RUN: dict[str, tuple[int, int, float]] = {}
 RECIPE = ("smollm2", 0.2)  # the shipped recipe whose rules the kvtool cells apply uniformly
 
 # Cell names (JSON keys).
-FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU, KVTOOL_TRITON_FORWARD = (
+FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GPU = (
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
-    "kvtool recipe, prompt held on the GPU", "kvtool, no draft, Triton forward",
+    "kvtool recipe, prompt held on the GPU",
 )
-# The decode steps (the draft's too) through kernels/triton_step.py's three kernels a layer.
-KVTOOL_FUSED_NO_DRAFT, KVTOOL_FUSED = "kvtool, no draft, fused step", "kvtool recipe, fused step"
-GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_TRITON_FORWARD, KVTOOL_FUSED_NO_DRAFT, KVTOOL_FUSED)
+# The decode steps (the draft's too) in eager ops instead of kernels/triton_step.py's three kernels a layer.
+KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER = "kvtool, no draft, eager step", "kvtool recipe, eager step"
+GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER)
 
 
 class Budget:
@@ -377,18 +375,14 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         with setting(held_prompt, "ON_HOST", False):  # the whole batch at once: what holding on the GPU costs
             return run_kvtool(model, prompt, new_tokens, profile, rows_at_once=len(prompt))
 
-    def triton_forward(model, prompt, new_tokens, profile):
-        with setting(triton_scores, "FORWARD", "triton"):
-            return run_kvtool(model, prompt, new_tokens, profile)
-
-    def fused_step(model, prompt, new_tokens, profile):
-        with setting(triton_step, "FUSED", True):
+    def eager_step(model, prompt, new_tokens, profile):
+        with setting(triton_step, "FUSED", False):
             return run_kvtool(model, prompt, new_tokens, profile)
 
     others = {
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
-        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe), KVTOOL_TRITON_FORWARD: under(triton_forward, no_draft),
-        KVTOOL_FUSED_NO_DRAFT: under(fused_step, no_draft), KVTOOL_FUSED: under(fused_step, recipe),
+        KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe),
+        KVTOOL_EAGER_NO_DRAFT: under(eager_step, no_draft), KVTOOL_EAGER: under(eager_step, recipe),
     }
     if not args.ceiling:
         del others[CEILING]
@@ -408,7 +402,7 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
 @contextlib.contextmanager
 def setting(module, name: str, value):
     """`module.name` set to `value` for the runs inside: where a draft's held prompts go on a GPU
-    (`held_prompt.ON_HOST`), which kernel gives the prompt pass's output (`triton_scores.FORWARD`)."""
+    (`held_prompt.ON_HOST`), whether decode steps go through the fused kernels (`triton_step.FUSED`)."""
     saved = getattr(module, name)
     setattr(module, name, value)
     try:

@@ -18,7 +18,7 @@ to whole chunks of the GPU's decode attention) and moves the counters to the dev
 Nothing is read back to the host and no state tensor is replaced, so the step can be captured once
 and replayed (runtime.graphed). While slots are fixed the host counters stand still;
 `release_slots()` reads the device's back and the layer decodes eagerly again. With
-`triton_step.FUSED` the shipped recipe's layers do place, attend and evict in three Triton kernels
+`triton_step.FUSED` (the default) the shipped recipe's layers do place, attend and evict in three Triton kernels
 instead of some 40 eager ones (`fused_step`, kernels/triton_step.py).
 """
 
