@@ -13,7 +13,9 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
     its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
     them held on the GPU;
 (c', d') on a GPU, (c) and (d) with each decode step's kvtool work in about 40 eager ops a layer
-    (`triton_step.FUSED` off) instead of the three Triton kernels of kernels/triton_step.py (the default);
+    (`triton_step.FUSED` off) instead of the four Triton kernels of kernels/triton_step.py (the default);
+(c'') on a GPU, (c) with the fused step's score and victim loop in one program per row and KV head
+    (`triton_step.SPLIT_GAINS` off) instead of split as the attention is;
 each as the median with min-max over `--repeats` runs of: prompt-phase seconds, decode tok/s,
 end-to-end tok/s, KV bytes after the run, peak memory in the prompt phase and in the whole run
 (torch.cuda.max_memory_allocated on a GPU).
@@ -117,9 +119,10 @@ FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GP
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
     "kvtool recipe, prompt held on the GPU",
 )
-# The decode steps (the draft's too) in eager ops instead of kernels/triton_step.py's three kernels a layer.
+# The decode steps (the draft's too) in eager ops instead of kernels/triton_step.py's four kernels a layer.
 KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER = "kvtool, no draft, eager step", "kvtool recipe, eager step"
-GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER)
+KVTOOL_ONE_PROGRAM = "kvtool, no draft, victim search in one program"  # `triton_step.SPLIT_GAINS` off
+GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER, KVTOOL_ONE_PROGRAM)
 
 
 class Budget:
@@ -379,10 +382,15 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         with setting(triton_step, "FUSED", False):
             return run_kvtool(model, prompt, new_tokens, profile)
 
+    def one_program(model, prompt, new_tokens, profile):
+        with setting(triton_step, "SPLIT_GAINS", False):
+            return run_kvtool(model, prompt, new_tokens, profile)
+
     others = {
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
         KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe),
         KVTOOL_EAGER_NO_DRAFT: under(eager_step, no_draft), KVTOOL_EAGER: under(eager_step, recipe),
+        KVTOOL_ONE_PROGRAM: under(one_program, no_draft),
     }
     if not args.ceiling:
         del others[CEILING]
@@ -402,7 +410,7 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
 @contextlib.contextmanager
 def setting(module, name: str, value):
     """`module.name` set to `value` for the runs inside: where a draft's held prompts go on a GPU
-    (`held_prompt.ON_HOST`), whether decode steps go through the fused kernels (`triton_step.FUSED`)."""
+    (`held_prompt.ON_HOST`), how decode steps run (`triton_step.FUSED`, `triton_step.SPLIT_GAINS`)."""
     saved = getattr(module, name)
     setattr(module, name, value)
     try:

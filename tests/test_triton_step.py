@@ -1,4 +1,4 @@
-"""kernels/triton_step.py: the shipped recipe's fixed-slot decode step in three Triton kernels.
+"""kernels/triton_step.py: the shipped recipe's fixed-slot decode step in four Triton kernels.
 
 Run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), in float32, against the eager
 fixed-slot step in float64 (which tests/test_fixed_slots.py checks against the eager steps): the same
@@ -52,11 +52,15 @@ def fused(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "lengths, programs", [([40, 27], triton_step.TARGET_PROGRAMS), ([40], 1)],
-    ids=["left-padded, many splits of one block", "one row, one split of several blocks"],
+    "lengths, programs, split_gains",
+    [([40, 27], triton_step.TARGET_PROGRAMS, True), ([40], 1, True), ([80, 60], triton_step.TARGET_PROGRAMS, True),
+     ([40, 27], triton_step.TARGET_PROGRAMS, False)],
+    ids=["left-padded, many splits of one block", "one row, one split of several blocks",
+         "victims in later splits", "victim search in one program"],
 )
-def test_the_fused_step_decodes_what_the_eager_step_decodes(models, fused, monkeypatch, lengths, programs) -> None:
+def test_the_fused_step_decodes_what_the_eager_step_decodes(models, fused, monkeypatch, lengths, programs, split_gains) -> None:
     monkeypatch.setattr(triton_step, "TARGET_PROGRAMS", programs)
+    monkeypatch.setattr(triton_step, "SPLIT_GAINS", split_gains)
     model, single = models
     profile = uniform_profile(model, 0.3, SHIPPED)
     prompt = _prompt(lengths)
@@ -100,6 +104,6 @@ def test_the_kernels_compile_for_an_h100() -> None:
     """The interpreter runs what the compiler may refuse: each kernel compiles for sm_90 in bfloat16
     at Llama-3.1-8B's head dim and group (Triton ships ptxas, no GPU needed), without spilling."""
     report = triton_step.compile_report(torch.bfloat16, head_dim=128, groups=4, arch=90)
-    assert set(report) == {"partials", "finish", "counters"}
+    assert set(report) == {"partials", "finish", "gains", "place"}
     for name, usage in report.items():
         assert usage.get("stack_bytes") == 0, (name, usage)

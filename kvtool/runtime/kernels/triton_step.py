@@ -1,24 +1,28 @@
-"""A fixed-slot decode step of one per-head `heavy-hitter` layer in three Triton kernels.
+"""A fixed-slot decode step of one per-head `heavy-hitter` layer in four Triton kernels.
 
 On a GPU a kvtool decode step is a CUDA graph (runtime.graphed), and what it costs is its kernels:
 on an H100 at Llama-3.1-8B's shape a step ran 2,484 of them, about 40 per layer of kvtool's own
 (place the token, attend with scores, accumulate them, pick and move the victim, the counters), each
 a few microseconds of work plus the gap between graph nodes (docs/results.md, "The draft's rows in
 GPU-sized chunks"). The shipped recipe's layers (per-head `heavy-hitter`, packed, fixed slots) do
-all of that here in three launches:
+all of that here in four launches:
 
 1. `_partials`, one program per (batch row x KV head, split of the slots): the new token's g query
    rows against the row's entries in that split (slots 0..kept-1; packed layers hold their entries
    there), FlashAttention-style partial max, sum and output, and the scaled scores themselves into
    a scratch buffer (flash-decoding: a 1,600-slot row split over several programs keeps the GPU busy);
-2. `_finish`, one program per (batch row, KV head): the new token's own score, the partials combined
-   into the output, the probabilities (from the scratch scores and the final max and sum) added to
-   each entry's score, the victim (the lowest score among entries older than the newest half of the
-   share, first slot on ties, as `HeavyHitter.victim`), and the new entry written where it stays:
-   over the victim when the row is over its share (the eager step places it last and then moves the
-   last entry onto the victim: the same state), else in the next free slot;
-3. `_counters`, one program per batch row: slot validity and the counters (`kept`, `tokens`,
-   `seen`), after every head has read them.
+2. `_finish`, one program per (batch row, KV head): the new token's own score and the partials
+   combined into the output, the final max and sum kept for the next kernel;
+3. `_gains`, one program per (batch row x KV head, split): the probabilities (from the scratch scores
+   and the final max and sum) added to each entry's score in the split, and the split's victim
+   candidate (the lowest score among entries older than the newest half of the share, first slot
+   on ties, as `HeavyHitter.victim`). On one program per row this loop was a fifth of a 32k-token
+   decode step's device time (an H200's profile, docs/results.md);
+4. `_place`, one program per batch row, after every head has read the counters: per KV head the
+   victim among the splits' candidates and the new entry written where it stays (over the victim
+   when the row is over its share: the eager step places it last and then moves the last entry onto
+   the victim, the same state; else in the next free slot), then slot validity and the counters
+   (`kept`, `tokens`, `seen`).
 
 It computes what the eager fixed-slot step computes (`FixedSlots._place_fixed`, the kvtool attention,
 `add_scores`, `_evict_fixed`) up to float rounding: the tests check it against that step in float64
@@ -45,8 +49,12 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 # Llama-3.1-8B's shape they decoded 1.35x / 1.21x faster than the eager step at 8192 x 4 / 32768 x 2,
 # exactly as cuda_check requires (docs/results.md, "The fused decode step").
 FUSED = True
+# Whether `_gains` walks each row's slots in the partials' splits (True) or in one program per row,
+# as the three-kernel version that was timed did (False). Split, as the H200's profile suggests
+# (docs/results.md); not yet timed on a GPU: gpu_bench's "victim search in one program" cell times both.
+SPLIT_GAINS = True
 BLOCK_S = 64  # slots per block of the attention's inner loop (`_partials`)
-FINISH_BLOCK_S = 256  # slots per block of the scores' and the victim's loop (`_finish`: no dot products)
+FINISH_BLOCK_S = 256  # slots per block of the scores' and the victim's loop (`_gains`: no dot products)
 INTERPRETER_BLOCK_S, INTERPRETER_FINISH_BLOCK_S = 16, 32  # several blocks even for the tests' few slots
 # Programs the first kernel aims for (a few per SM of an H100's 132): slots are split until
 # batch x KV heads x splits reaches it, in whole blocks.
@@ -58,12 +66,20 @@ MAX_HEAD_DIM = 256
 class StepScratch:
     """Buffers of one step's kernels, made once for a fixed-slot layer (the step is a CUDA graph: its
     buffers never change). `scores` [B * Hkv, g, S] float32: the new token's scaled scores (base 2);
-    `maxes`, `sums` [B * Hkv, splits, g] and `outs` [B * Hkv, splits, g, D] float32: the partials."""
+    `maxes`, `sums` [B * Hkv, splits, g] and `outs` [B * Hkv, splits, g, D] float32: the partials;
+    `final` [B * Hkv, 2, g] float32: their combined max and sum; `own` [B * Hkv] float32: the new
+    entry's score; `best` [B * Hkv, splits] float32 and `first` [B * Hkv, splits] int64: each split's
+    victim candidate (score, slot); `seen` [1] int64: the step's `seen` before it moves."""
 
     scores: torch.Tensor
     maxes: torch.Tensor
     sums: torch.Tensor
     outs: torch.Tensor
+    final: torch.Tensor
+    own: torch.Tensor
+    best: torch.Tensor
+    first: torch.Tensor
+    seen: torch.Tensor
     split: int  # slots per split, a multiple of the block
 
     @classmethod
@@ -82,6 +98,11 @@ class StepScratch:
             maxes=torch.empty(rows, splits, groups, dtype=torch.float32, device=device),
             sums=torch.empty(rows, splits, groups, dtype=torch.float32, device=device),
             outs=torch.empty(rows, splits, groups, head_dim, dtype=torch.float32, device=device),
+            final=torch.empty(rows, 2, groups, dtype=torch.float32, device=device),
+            own=torch.empty(rows, dtype=torch.float32, device=device),
+            best=torch.empty(rows, splits, dtype=torch.float32, device=device),
+            first=torch.empty(rows, splits, dtype=torch.int64, device=device),
+            seen=torch.empty(1, dtype=torch.int64, device=device),
             split=split,
         )
 
@@ -120,7 +141,7 @@ def decode_step(
     frozen = frozen.view(torch.uint8) if frozen is not None else valid  # a dummy pointer when absent
     kept, tokens, seen, share = state["kept"], state["tokens"], state["seen"], state["share"]
     out = torch.empty(bsz, 1, n_heads, head_dim, dtype=query.dtype, device=query.device)
-    partials, finish, counters = _kernels()
+    partials, finish, gains, place = _kernels()
     splits = scratch.maxes.shape[1]
     rows = bsz * n_kv_heads
     partials[(rows, splits)](
@@ -130,22 +151,34 @@ def decode_step(
         G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block, PRECISION=precision,
     )
     finish[(rows,)](
-        query, key, value, keys, values, out, scratch.scores, scratch.maxes, scratch.sums, scratch.outs,
-        order, score, frozen, kept, tokens, seen, share,
+        query, key, value, out, scratch.maxes, scratch.sums, scratch.outs, scratch.final, scratch.own, seen, scratch.seen,
         *query.stride()[:2], query.stride(3), *key.stride()[:2], key.stride(3), *value.stride()[:2], value.stride(3),
-        *keys.stride(), *values.stride(), out.stride(0), out.stride(2), out.stride(3),
-        *order.stride(), *score.stride(), *(frozen.stride() if state["frozen"] is not None else (0, 0, 0)),
-        *share.stride(),
-        n_kv_heads, slots, qk_scale, splits,
-        G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=finish_block,
-        HAS_FROZEN=state["frozen"] is not None,
+        out.stride(0), out.stride(2), out.stride(3),
+        n_kv_heads, qk_scale, splits,
+        G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
-    counters[(bsz,)](valid, kept, tokens, seen, share, *valid.stride(), *share.stride())
+    gain_splits, gain_split = (splits, scratch.split) if SPLIT_GAINS else (1, slots)
+    gains[(rows, gain_splits)](
+        scratch.scores, scratch.final, order, score, kept, tokens, seen, share, scratch.best, scratch.first,
+        *order.stride(), *score.stride(), *share.stride(),
+        n_kv_heads, slots, gain_split, gain_splits,
+        G=groups, BLOCK_G=block_g, BLOCK_S=finish_block,
+    )
+    place[(bsz,)](
+        key, value, keys, values, order, score, frozen, valid, kept, tokens, seen, scratch.seen, share, scratch.own,
+        scratch.best, scratch.first,
+        *key.stride()[:2], key.stride(3), *value.stride()[:2], value.stride(3),
+        *keys.stride(), *values.stride(),
+        *order.stride(), *score.stride(), *(frozen.stride() if state["frozen"] is not None else (0, 0, 0)),
+        *valid.stride(), *share.stride(),
+        n_kv_heads, gain_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_FROZEN=state["frozen"] is not None,
+    )
     return out
 
 
 def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, groups: int = 4, arch: int = 90) -> dict[str, dict[str, int]]:
-    """The three kernels compiled for an NVIDIA GPU of compute capability `arch` without one, with
+    """The four kernels compiled for an NVIDIA GPU of compute capability `arch` without one, with
     their registers, stack and shared memory (`triton_scores.resource_usage`): what the interpreter
     lets through and the compiler does not shows up here."""
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
@@ -155,9 +188,12 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, gro
     kernels = {
         "partials": (_partials, [f"*{ty}"] * 3 + ["*i64"] + ["*fp32"] * 4 + ["i64"] * 11 + ["i32", "i32", "fp32", "i32", "i32"],
                      dict(shape, PRECISION=precision)),
-        "finish": (_finish, [f"*{ty}"] * 6 + ["*fp32"] * 4 + ["*i64", "*fp32", "*u8"] + ["*i64"] * 4 + ["i64"] * 31
-                   + ["i32", "i32", "fp32", "i32"], dict(shape, BLOCK_S=FINISH_BLOCK_S, HAS_FROZEN=True)),
-        "counters": (_counters, ["*u8"] + ["*i64"] * 4 + ["i64"] * 4, {}),
+        "finish": (_finish, [f"*{ty}"] * 4 + ["*fp32"] * 5 + ["*i64"] * 2 + ["i64"] * 12 + ["i32", "fp32", "i32"],
+                   {k: v for k, v in shape.items() if k != "BLOCK_S"}),
+        "gains": (_gains, ["*fp32", "*fp32", "*i64", "*fp32"] + ["*i64"] * 4 + ["*fp32", "*i64"] + ["i64"] * 8 + ["i32"] * 4,
+                  dict(G=shape["G"], BLOCK_G=shape["BLOCK_G"], BLOCK_S=FINISH_BLOCK_S)),
+        "place": (_place, [f"*{ty}"] * 4 + ["*i64", "*fp32", "*u8", "*u8"] + ["*i64"] * 5 + ["*fp32", "*fp32", "*i64"]
+                  + ["i64"] * 27 + ["i32"] * 2, dict(HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], HAS_FROZEN=True)),
     }
     return {
         name: triton_scores.resource_usage(fn, types, constexprs, warps=4, stages=2, arch=arch)
@@ -166,15 +202,15 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, gro
 
 
 def _blocks() -> tuple[int, int]:
-    """The slot blocks of `_partials` and `_finish`."""
+    """The slot blocks of `_partials` and `_gains`."""
     if triton_scores.interpreting():
         return INTERPRETER_BLOCK_S, INTERPRETER_FINISH_BLOCK_S
     return BLOCK_S, FINISH_BLOCK_S
 
 
 def _kernels() -> tuple:
-    """The three kernels (`triton_scores.wrapped`)."""
-    return triton_scores.wrapped(_partials, _finish, _counters)
+    """The four kernels (`triton_scores.wrapped`)."""
+    return triton_scores.wrapped(_partials, _finish, _gains, _place)
 
 
 if triton is not None:
@@ -232,31 +268,17 @@ if triton is not None:
         tl.store(Outs + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
     def _finish(
-        Q, Knew, Vnew, K, V, Out, Scores, Maxes, Sums, Outs,
-        Order, Score, Frozen, Kept, Tokens, Seen, Share,
+        Q, Knew, Vnew, Out, Maxes, Sums, Outs, Final, Own, Seen, SeenNow,
         sqb, sqh, sqd,
         snkb, snkh, snkd,
         snvb, snvh, snvd,
-        skb, skh, sks, skd,
-        svb, svh, svs, svd,
         sob, soh, sod,
-        srb, srh, srs,
-        scb, sch, scs,
-        sfb, sfh, sfs,
-        sht, shb,
-        HKV, S, qk_scale, SPLITS,
+        HKV, qk_scale, SPLITS,
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_S: tl.constexpr, HAS_FROZEN: tl.constexpr,
     ):
         row = tl.program_id(0)
         b = row // HKV
         h = row % HKV
-        n = tl.load(Kept + b)
-        seen = tl.load(Seen)
-        # The share after this token (the counters move in `_counters`): rows over it drop a victim.
-        share = tl.load(Share + (tl.load(Tokens + b) + 1) * sht + b * shb)
-        newest = seen + 1 - share // 2  # entries from this column on are the protected newest half
-        over = n + 1 > share
         groups = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
         g_ok = groups < G
@@ -283,18 +305,47 @@ if triton is not None:
         out = acc / l_i[:, None]
         o_ptr = Out + b.to(tl.int64) * sob + (h * G + groups).to(tl.int64)[:, None] * soh + dims[None, :] * sod
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(Final + row * 2 * G + groups, m, mask=g_ok)
+        tl.store(Final + (row * 2 + 1) * G + groups, l_i, mask=g_ok)
+        # The new entry's score: the probability the new token gave itself, averaged over its g rows.
+        tl.store(Own + row, tl.reduce(tl.where(g_ok, p_new / l_i, 0.0), 0, tl.standard._sum_combine) / G)
+        if row == 0:  # `_place` reads this copy: its first program moves `Seen` while others run
+            tl.store(SeenNow, tl.load(Seen))
 
+    def _gains(
+        Scores, Final, Order, Score, Kept, Tokens, Seen, Share, Best, First,
+        srb, srh, srs,
+        scb, sch, scs,
+        sht, shb,
+        HKV, S, SPLIT, SPLITS,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        b = row // HKV
+        h = row % HKV
+        n = tl.load(Kept + b)
+        # The share after this token (the counters move in `_place`): entries from `newest` on are
+        # the protected newest half.
+        share = tl.load(Share + (tl.load(Tokens + b) + 1) * sht + b * shb)
+        newest = tl.load(Seen) + 1 - share // 2
+        groups = tl.arange(0, BLOCK_G)
+        g_ok = groups < G
+        m = tl.load(Final + row * 2 * G + groups, mask=g_ok, other=0.0)
+        l_i = tl.load(Final + (row * 2 + 1) * G + groups, mask=g_ok, other=1.0)
         # Each entry's score gains the probability the new token gave it (averaged over the g query
-        # rows); the victim is the lowest among the entries older than `newest`.
+        # rows); the split's candidate is the lowest among its entries older than `newest`.
         s_ptr = Scores + row.to(tl.int64) * G * S
         o_row = Order + b.to(tl.int64) * srb + h.to(tl.int64) * srh
         c_row = Score + b.to(tl.int64) * scb + h.to(tl.int64) * sch
         best = tl.full([], float("inf"), tl.float32)
         victim = tl.full([], 0, tl.int64)
+        lo = part * SPLIT
+        hi = tl.minimum(lo + SPLIT, n)
         offs = tl.arange(0, BLOCK_S)
-        for s0 in range(0, n, BLOCK_S):
+        for s0 in range(lo, hi, BLOCK_S):
             cols = s0 + offs
-            c_ok = cols < n
+            c_ok = cols < hi
             s = tl.load(s_ptr + groups[:, None] * S + cols[None, :], mask=g_ok[:, None] & c_ok[None, :], other=float("-inf"))
             p = tl.exp2(s - m[:, None]) / l_i[:, None]
             gained = tl.reduce(p, 0, tl.standard._sum_combine) / G
@@ -307,29 +358,58 @@ if triton is not None:
             better = low < best
             victim = tl.where(better, first.to(tl.int64), victim)
             best = tl.where(better, low, best)
-        own = tl.reduce(tl.where(g_ok, p_new / l_i, 0.0), 0, tl.standard._sum_combine) / G
-        # The new entry is a candidate too when the protected half is empty; it is the last slot, so
-        # it wins only when strictly lower.
-        victim = tl.where((seen < newest) & (own < best), n, victim)
-        target = tl.where(over, victim, n)
-        k_ptr = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh + target * sks
-        v_ptr = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + target * svs
-        tl.store(k_ptr + dims * skd, k_new, mask=d_ok)
-        tl.store(v_ptr + dims * svd, v_new, mask=d_ok)
-        tl.store(o_row + target * srs, seen)
-        tl.store(c_row + target * scs, own)
-        if HAS_FROZEN:
-            tl.store(Frozen + b.to(tl.int64) * sfb + h.to(tl.int64) * sfh + target * sfs, 0)
+        tl.store(Best + row * SPLITS + part, best)
+        tl.store(First + row * SPLITS + part, victim)
 
-    def _counters(Valid, Kept, Tokens, Seen, Share, svb, svs, sht, shb):
+    def _place(
+        Knew, Vnew, K, V, Order, Score, Frozen, Valid, Kept, Tokens, Seen, SeenNow, Share, Own, Best, First,
+        snkb, snkh, snkd,
+        snvb, snvh, snvd,
+        skb, skh, sks, skd,
+        svb, svh, svs, svd,
+        srb, srh, srs,
+        scb, sch, scs,
+        sfb, sfh, sfs,
+        svab, svas,
+        sht, shb,
+        HKV, SPLITS,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FROZEN: tl.constexpr,
+    ):
         b = tl.program_id(0)
         n = tl.load(Kept + b)
+        seen = tl.load(SeenNow)
         tokens = tl.load(Tokens + b) + 1
         share = tl.load(Share + tokens * sht + b * shb)
-        over = n + 1 > share
+        newest = seen + 1 - share // 2
+        over = n + 1 > share  # rows over their share drop a victim
+        dims = tl.arange(0, BLOCK_D)
+        d_ok = dims < HEAD_DIM
+        for h in range(0, HKV):
+            row = b * HKV + h
+            # The splits in slot order, a strictly lower candidate winning: the first slot on ties.
+            best = tl.full([], float("inf"), tl.float32)
+            victim = tl.full([], 0, tl.int64)
+            for part in range(0, SPLITS):
+                low = tl.load(Best + row * SPLITS + part)
+                better = low < best
+                victim = tl.where(better, tl.load(First + row * SPLITS + part), victim)
+                best = tl.where(better, low, best)
+            own = tl.load(Own + row)
+            # The new entry is a candidate too when the protected half is empty; it is the last slot,
+            # so it wins only when strictly lower.
+            victim = tl.where((seen < newest) & (own < best), n, victim)
+            target = tl.where(over, victim, n)
+            k_new = tl.load(Knew + b.to(tl.int64) * snkb + h * snkh + dims * snkd, mask=d_ok, other=0.0)
+            v_new = tl.load(Vnew + b.to(tl.int64) * snvb + h * snvh + dims * snvd, mask=d_ok, other=0.0)
+            tl.store(K + b.to(tl.int64) * skb + h * skh + target * sks + dims * skd, k_new, mask=d_ok)
+            tl.store(V + b.to(tl.int64) * svb + h * svh + target * svs + dims * svd, v_new, mask=d_ok)
+            tl.store(Order + b.to(tl.int64) * srb + h * srh + target * srs, seen)
+            tl.store(Score + b.to(tl.int64) * scb + h * sch + target * scs, own)
+            if HAS_FROZEN:
+                tl.store(Frozen + b.to(tl.int64) * sfb + h * sfh + target * sfs, 0)
         # The new token's slot holds an entry unless the row dropped one (its victim took the token).
-        tl.store(Valid + b.to(tl.int64) * svb + n * svs, tl.where(over, 0, 1).to(tl.uint8))
+        tl.store(Valid + b.to(tl.int64) * svab + n * svas, tl.where(over, 0, 1).to(tl.uint8))
         tl.store(Kept + b, tl.where(over, n, n + 1))
         tl.store(Tokens + b, tokens)
         if b == 0:
-            tl.store(Seen, tl.load(Seen) + 1)
+            tl.store(Seen, seen + 1)

@@ -18,8 +18,8 @@ to whole chunks of the GPU's decode attention) and moves the counters to the dev
 Nothing is read back to the host and no state tensor is replaced, so the step can be captured once
 and replayed (runtime.graphed). While slots are fixed the host counters stand still;
 `release_slots()` reads the device's back and the layer decodes eagerly again. With
-`triton_step.FUSED` (the default) the shipped recipe's layers do place, attend and evict in three Triton kernels
-instead of some 40 eager ones (`fused_step`, kernels/triton_step.py).
+`triton_step.FUSED` (the default) the shipped recipe's layers place, attend and evict in four
+Triton kernels instead of some 40 eager ones (`fused_step`, kernels/triton_step.py).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class FixedSlots:
 
     def fused_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The step `_place_fixed`, the attention, `add_scores` and `_evict_fixed` make, in
-        `triton_step`'s three kernels; returns the attention output [B, 1, Hq, D]."""
+        `triton_step`'s four kernels; returns the attention output [B, 1, Hq, D]."""
         key, value = self.step_token
         self.step_token = None
         if self._step_scratch is None:
