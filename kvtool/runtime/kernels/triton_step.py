@@ -46,8 +46,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 # Whether fixed-slot layers that qualify (`applies`) step through these kernels. On an H100 at
-# Llama-3.1-8B's shape they decoded 1.35x / 1.21x faster than the eager step at 8192 x 4 / 32768 x 2,
-# exactly as cuda_check requires (docs/results.md, "The fused decode step").
+# Llama-3.1-8B's shape the (three-kernel) step decoded 1.35x / 1.21x faster than the eager step at
+# 8192 x 4 / 32768 x 2 and passed cuda_check's comparison (docs/results.md, "The fused decode step").
 FUSED = True
 # Whether `_gains` walks each row's slots in the partials' splits (True) or in one program per row,
 # as the three-kernel version that was timed did (False). Split, as the H200's profile suggests
