@@ -49,6 +49,7 @@ class Row:
     kv_peak: float | None = None  # the most KV held after any step (files from before it: unknown)
     draft: int = 0  # tokens drafted at the budget to score the prompt again
     draft_rounds: int = 1  # how many times
+    draft_jacobi: bool = False  # later rounds drafted from the last one's predictions
 
 
 def per_token_nll(result: dict) -> list[float | None] | None:
@@ -103,6 +104,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                     name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
                     r.get("kv_peak_fraction"), r.get("draft") or 0, r.get("draft_rounds") or 1,
+                    bool(r.get("draft_jacobi")),
                 ))
     for path in peers:
         doc = read_json(path)
@@ -134,6 +136,7 @@ def compresses(row: Row) -> str:
         return "prompt only"
     if row.draft:
         rounds = f", {row.draft_rounds} rounds" if row.draft_rounds > 1 else ""
+        rounds += " after the first from its predictions" if row.draft_jacobi else ""
         return f"prompt + generation (budget held; prompt compressed with the attention of a {row.draft}-token draft{rounds})"
     return "prompt + generation (budget held)"
 

@@ -9,10 +9,11 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
 (b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
 (c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
-(d) kvtool's default recipe (the same with the built-in profile's drafted answer, verified),
-    its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
-    them held on the GPU;
-(c', d') on a GPU, (c) and (d) with each decode step's kvtool work in about 40 eager ops a layer
+(d) kvtool's default recipe (the same with the built-in profile's drafted answer, verified, its
+    second round drafted from the first's predictions), its held prompts in pinned host memory
+    (runtime.layer.held_prompt), and on a GPU once more with them held on the GPU;
+(d') the same with the second round stepped through the cache again (`Draft.jacobi` off);
+(c') on a GPU, (c) with each decode step's kvtool work in about 40 eager ops a layer
     (`triton_step.FUSED` off) instead of the four Triton kernels of kernels/triton_step.py (the default);
 (c'') on a GPU, (c) with the fused step's score and victim loop in one program per row and KV head
     (`triton_step.SPLIT_GAINS` off) instead of split as the attention is;
@@ -119,10 +120,13 @@ FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GP
     "full (sdpa default)", "full (cuDNN off)", "ceiling", "kvtool, no draft", "kvtool recipe",
     "kvtool recipe, prompt held on the GPU",
 )
-# The decode steps (the draft's too) in eager ops instead of kernels/triton_step.py's four kernels a layer.
-KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER = "kvtool, no draft, eager step", "kvtool recipe, eager step"
+# The decode steps in eager ops instead of kernels/triton_step.py's four kernels a layer.
+KVTOOL_EAGER_NO_DRAFT = "kvtool, no draft, eager step"
 KVTOOL_ONE_PROGRAM = "kvtool, no draft, victim search in one program"  # `triton_step.SPLIT_GAINS` off
-GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_EAGER, KVTOOL_ONE_PROGRAM)
+# The recipe's draft with its second round stepped through the cache again (`Draft.jacobi` off), the
+# built-in's before the Jacobi round: what taking the second draft from the first's predictions saves.
+KVTOOL_STEPPED = "kvtool recipe, second round stepped"
+GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_ONE_PROGRAM)
 
 
 class Budget:
@@ -170,6 +174,12 @@ def recipe_method():
 
 def without_draft(method):
     return dataclasses.replace(method, draft=None)
+
+
+def stepped_rounds(method):
+    """`method` with every round of its draft stepped through the cache (`Draft.jacobi` off)."""
+    draft = method.draft
+    return method if draft is None else dataclasses.replace(method, draft=dataclasses.replace(draft, jacobi=False))
 
 
 # ----- kvtool's timing loop: every call into kvtool.bench.measure is in these three functions -----
@@ -345,6 +355,7 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
     budget: Budget = args.budget_guard
     recipe = uniform_profile(model, args.kv_budget, method)
     no_draft = uniform_profile(model, args.kv_budget, without_draft(method))
+    stepped = uniform_profile(model, args.kv_budget, stepped_rounds(method))
     # (a) the full cache under each SDPA backend choice; the fastest prompt phase is the baseline.
     backends = {FULL_DEFAULT: contextlib.nullcontext}
     if device.type == "cuda":
@@ -389,9 +400,11 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
     others = {
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
         KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe),
-        KVTOOL_EAGER_NO_DRAFT: under(eager_step, no_draft), KVTOOL_EAGER: under(eager_step, recipe),
-        KVTOOL_ONE_PROGRAM: under(one_program, no_draft),
+        KVTOOL_EAGER_NO_DRAFT: under(eager_step, no_draft), KVTOOL_ONE_PROGRAM: under(one_program, no_draft),
+        KVTOOL_STEPPED: under(run_kvtool, stepped),
     }
+    if stepped.method.draft == recipe.method.draft:
+        del others[KVTOOL_STEPPED]
     if not args.ceiling:
         del others[CEILING]
     if device.type != "cuda":  # the same cells as the recipe's and kvtool's without a draft off a GPU

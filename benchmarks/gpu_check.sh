@@ -6,9 +6,10 @@
 #      through the graph, the draft's prompts held in host memory, twice); the prompt kernels alone
 #      (torch's fused forward against the Triton one, each with the column sums); the recipe's prompt
 #      phase by part (`--parts`); the full cache under both SDPA choices, kvtool without a draft and
-#      with its draft (held prompts in host memory, and on the GPU), both also with the eager decode
-#      step instead of the fused one (kernels/triton_step.py, whose exactness check is in step 2), and
-#      without a draft with the fused step's victim search in one program per row (`SPLIT_GAINS`);
+#      with its draft (held prompts in host memory, and on the GPU; and with its second round stepped
+#      through the cache as before `Draft.jacobi`), without a draft also with the eager decode step
+#      instead of the fused one (kernels/triton_step.py, whose exactness check is in step 2) and with
+#      the fused step's victim search in one program per row (`SPLIT_GAINS`);
 #   3. 32768 x 2: the same without the exactness checks, 2 repeats;
 #   4. (MORE=1) the decode steps' profile, `generate` full against kvtool, and the largest batch at
 #      32k of kvtool (its prompt phase a row at a time) and of the full cache (about 5 minutes more).

@@ -318,23 +318,25 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
 
     limit = inspect.signature(calibrate_command).parameters["max_prompt_overhead"].default
     assert parse_overhead(limit) == DEFAULT_MAX_PROMPT_OVERHEAD and parse_overhead("none") is None
-    assert parse_draft("32") == (Draft(32, DEFAULT_DRAFT.rounds, DEFAULT_DRAFT.verify), False)  # the rest as the default
-    assert parse_draft("8,rounds=1,no-verify,stage") == (Draft(8), True)
+    assert parse_draft("32") == (Draft(32, DEFAULT_DRAFT.rounds, DEFAULT_DRAFT.verify, DEFAULT_DRAFT.jacobi), False)  # the rest as the default
+    assert parse_draft("8,rounds=1,no-verify,no-jacobi,stage") == (Draft(8), True)
+    assert parse_draft("8,jacobi") == (Draft(8, DEFAULT_DRAFT.rounds, DEFAULT_DRAFT.verify, jacobi=True), False)
     assert parse_draft("none") == (None, False) and parse_draft("0") == (None, False)
     out = tmp_path / "p.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "6,rounds=3", "--max-prompt-overhead", "none", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft == Draft(6, 3, verify=True)
+    assert read_profile(out).method.draft == Draft(6, 3, verify=True, jacobi=DEFAULT_DRAFT.jacobi)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    assert code == 0 and "prompt compressed with the attention of a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
+    phrase = "prompt compressed with the attention of a 6-token draft (3 rounds, verified, later rounds from its predictions)"
+    assert code == 0 and phrase in " ".join(shown.split())
     overhead = read_profile(out).calibration.prompt_overhead
     text = " ".join(shown.split())
     assert overhead > 0 and f"{overhead:.2f}x the full cache's" in text and "(no limit)" in text
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "6,no-verify", "--max-prompt-overhead", "none", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft == Draft(6, DEFAULT_DRAFT.rounds, verify=False)
+    assert read_profile(out).method.draft == Draft(6, DEFAULT_DRAFT.rounds, verify=False, jacobi=DEFAULT_DRAFT.jacobi)
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "none", "--out", str(out))
     assert code == 0, err

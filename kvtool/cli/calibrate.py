@@ -101,7 +101,7 @@ def search_space(base: Any, options: list[str]) -> Any:
 
 
 # `--draft`'s default: kvtool.calibrate.config.DEFAULT_DRAFT (a test keeps them equal; importing it here costs torch).
-DRAFT_DEFAULT = "32,rounds=2,verify"
+DRAFT_DEFAULT = "32,rounds=2,verify,jacobi"
 
 
 @app.command("calibrate")
@@ -169,7 +169,8 @@ def calibrate_command(
             "forward of its rows per round, never longer than the generation). Comma-separated: the tokens (0 or 'none': "
             "compress once), 'rounds=N' (each round drafts through the cache the last one scored), 'verify' / "
             "'no-verify' (check each draft against the full-attention logits of the forward that scores it; the "
-            "answer starts with the agreed prefix), 'stage' (after the search, measure its pick and the recipes one "
+            "answer starts with the agreed prefix), 'jacobi' / 'no-jacobi' (a later round's draft is the last "
+            "round's full-attention predictions, not new steps through the cache: half the steps of 2 rounds), 'stage' (after the search, measure its pick and the recipes one "
             "generation rule or ratio source away with the draft and ship the best if the held-out prompts agree; "
             "minutes more, the built-in profiles are made with it). Omitted parts keep the default's. Hybrid models "
             "(sliding-window layers) get none.",
@@ -241,8 +242,8 @@ def parse_draft(spec: str) -> tuple[Any, bool]:
     for a malformed SPEC. Parts SPEC leaves out keep `DRAFT_DEFAULT`'s."""
     from kvtool.profiles import Draft
 
-    usage = "--draft takes TOKENS[,rounds=N][,verify|no-verify][,stage], e.g. 64,rounds=2,verify or none"
-    tokens, rounds, verify, stage = 0, 1, False, False
+    usage = "--draft takes TOKENS[,rounds=N][,verify|no-verify][,jacobi|no-jacobi][,stage], e.g. 64,rounds=2,verify or none"
+    tokens, rounds, verify, jacobi, stage = 0, 1, False, False, False
     for part in (p.strip().lower() for p in f"{DRAFT_DEFAULT},{spec}".split(",")):
         key, sep, value = part.partition("=")
         if part == "none":
@@ -253,13 +254,15 @@ def parse_draft(spec: str) -> tuple[Any, bool]:
             rounds = int(value)
         elif part in ("verify", "no-verify"):
             verify = part == "verify"
+        elif part in ("jacobi", "no-jacobi"):
+            jacobi = part == "jacobi"
         elif part == "stage":
             stage = True
         else:
             raise KvtoolError(f"{usage}; got {spec!r}")
     if rounds < 1:
         raise KvtoolError(f"--draft rounds must be at least 1, got {rounds}")
-    return (Draft(tokens, rounds, verify) if tokens else None), stage
+    return (Draft(tokens, rounds, verify, jacobi) if tokens else None), stage
 
 
 def default_out_path(model_name: str, budget: float) -> Path:

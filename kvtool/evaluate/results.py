@@ -59,10 +59,12 @@ class MethodResult:
     # over the full cache's bytes at the end: what memory must be there, not only what is left.
     kv_peak_fraction: float = math.nan
     # The profile's draft as it ran (MethodSettings.draft, never longer than the answer): tokens
-    # drafted at the budget to score the prompt again (0: none), how many rounds, whether verified.
+    # drafted at the budget to score the prompt again (0: none), how many rounds, whether verified,
+    # whether later rounds drafted from the last one's predictions (`Draft.jacobi`).
     draft: int = 0
     draft_rounds: int = 1
     draft_verify: bool = False
+    draft_jacobi: bool = False
     # Per prompt, how many of the greedy output's first tokens came from the verified prefix (the
     # full cache's own greedy tokens, read off the draft's forward); empty without verification.
     verified_per_prompt: tuple[int, ...] = ()
@@ -130,7 +132,7 @@ class EvalReport:
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
                     "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "draft": r.draft, "draft_rounds": r.draft_rounds,
-                    "draft_verify": r.draft_verify, "verified_per_prompt": list(r.verified_per_prompt),
+                    "draft_verify": r.draft_verify, "draft_jacobi": r.draft_jacobi, "verified_per_prompt": list(r.verified_per_prompt),
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),
                     "accuracy": r.accuracy,

@@ -248,6 +248,7 @@ class _Evaluation:
             kv_fraction=kept / full if full else math.nan, tokens=nll.count, rouge_l_per_prompt=tuple(rouge),
             kv_peak_fraction=peak / full if full else math.nan, draft=draft.tokens if draft else 0,
             draft_rounds=draft.rounds if draft else 1, draft_verify=bool(draft and draft.verify),
+            draft_jacobi=bool(draft and draft.jacobi and draft.rounds > 1),
             verified_per_prompt=tuple(verified) if draft and draft.verify else (),
             per_prompt=per_prompt.scores(),
         )

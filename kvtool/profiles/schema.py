@@ -70,18 +70,22 @@ class Draft:
     """The answer drafted at the budget to help choose what the prompt keeps (kvtool.runtime.draft).
 
     Before the prompt is compressed for good, `tokens` greedy tokens are drafted through the
-    compressed cache and the prompt runs again into a fresh cache with them appended: their
-    attention joins the prompt's scores (observation window and column sums), then they are dropped
-    and generation starts from the prompt's end. The cache never holds more than the budget (one
-    prompt forward more per round). Each later round of `rounds` drafts through the cache the last
-    round scored. `verify`: the forward with the draft appended also checks it against its own
-    full-attention logits; the agreed prefix (plus the next token) is the full cache's greedy answer,
-    so later rounds draft from it and the answer starts with it.
+    compressed cache and run as one forward of their own over the held prompt: their attention joins
+    the prompt's scores (observation window and column sums) and a fresh cache is compressed with
+    them; then they are dropped and generation starts from the prompt's end. The cache never holds
+    more than the budget. Each later round of `rounds` drafts again from the last round's cache.
+    `verify`: that forward also checks the draft against its own full-attention logits; the agreed
+    prefix (plus the next token) is the full cache's greedy answer, so later rounds draft from it and
+    the answer starts with it. `jacobi`: a later round takes its draft from the last round's
+    full-attention predictions (the prompt's next token, then the token each draft row predicts, as
+    in Jacobi decoding) instead of stepping through the cache again, so only the first round pays
+    for greedy steps.
     """
 
     tokens: int = field(metadata=rule(low=1))
     rounds: int = field(default=1, metadata=rule(low=1))
     verify: bool = False
+    jacobi: bool = field(default=False, metadata=rule(omit_default=True))
 
     def capped(self, tokens: int) -> "Draft":
         """This draft, never longer than `tokens` (a draft longer than the answer scores tokens nobody reads)."""
@@ -113,7 +117,7 @@ class MethodSettings:
     recent_share: float = field(default=0.0, metadata=rule(low=0, high=1))
     ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
     # The answer's first tokens drafted at the budget to score the prompt again (`Draft`); None: the
-    # prompt is compressed once, by its own attention. Written `draft: {tokens: 64, rounds: 2, verify: true}`.
+    # prompt is compressed once, by its own attention. Written `draft: {tokens: 32, rounds: 2, verify: true, jacobi: true}`.
     draft: Draft | None = field(default=None, metadata=rule(omit_none=True, flow=True))
 
     # Keys older files may hold (kvtool.profiles.fields.Legacy): the draft was flat keys (`draft: 64`,
@@ -136,6 +140,7 @@ def draft_phrase(draft: Draft | None) -> str:
         return ""
     notes = [f"{draft.rounds} rounds"] if draft.rounds > 1 else []
     notes += ["verified"] if draft.verify else []
+    notes += ["later rounds from its predictions"] if draft.jacobi and draft.rounds > 1 else []
     rounds = f" ({', '.join(notes)})" if notes else ""
     return f"prompt compressed with the attention of a {draft.tokens}-token draft{rounds}"
 

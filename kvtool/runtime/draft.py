@@ -19,7 +19,9 @@ With `rounds` > 1, steps 1-2 repeat: each later draft comes from the cache the p
 scored, which keeps more of what the answer reads, so the draft is closer to the full cache's own
 answer and the next scores closer to what that answer needs. Each round costs `tokens` - 1 steps
 through the compressed cache and one `tokens`-row forward; the held prompt is the full cache's own
-size and is let go once the last round has compressed. On a GPU it waits in pinned host memory
+size and is let go once the last round has compressed. With `jacobi` a later round costs only its
+forward: its draft is the last forward's own full-attention predictions (`predicted_draft`), so
+the steps, most of a draft's cost, are paid once. On a GPU it waits in pinned host memory
 (`runtime.layer.held_prompt`), so the prompt phase's peak stays below the full cache's; on a CPU
 the batch's rows are prepared a group at a time for the same reason (`runtime.row_groups`).
 
@@ -93,6 +95,17 @@ def verified_prefix(draft: torch.Tensor, logits: torch.Tensor) -> Verified:
     rows = torch.nonzero(short)[:, 0]
     tokens[rows, matched[rows]] = predicted[rows, matched[rows] - 1]
     return Verified(tokens=tokens, lengths=torch.where(short, matched + 1, matched))
+
+
+def predicted_draft(draft: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The next round's draft under `Draft.jacobi`: the prompt's own next token draft[:, 0], then the
+    token full-attention `logits` [B, k, V] predict after each prefix of `draft` [B, k] (the last
+    prediction has no row left). Where `draft` agrees with its predictions this is `draft` with its
+    first disagreement corrected, so it starts with the verified prefix (`verified_prefix`); after
+    that, each token is what the full cache predicts after the old draft's prefix. One Jacobi step
+    of greedy decoding, at the cost of no decode step."""
+    predicted = logits.argmax(dim=-1).to(draft.device, draft.dtype)
+    return torch.cat([draft[:, :1], predicted[:, :-1]], dim=1)
 
 
 class ForcedPrefix(LogitsProcessor):
@@ -181,7 +194,8 @@ def prepare(
 ) -> Prepared:
     """The prompt of `prompt` in a fresh cache from `make_cache`, compressed with `draft`'s attention
     in its scores (`draft.rounds` times, each draft through the last round's cache; `draft.verify`:
-    each from the last round's verified prefix on); None is the plain prompt forward.
+    each from the last round's verified prefix on; `draft.jacobi`: each after the first from the last
+    round's predictions); None is the plain prompt forward.
 
     The prompt runs once: its layers hold their whole prompt aside (`KvtoolCache.hold_prompt`), each
     round's draft is one forward of `draft.tokens` rows over it (`HeldCache`), and the next cache is
@@ -215,15 +229,18 @@ def _prepare(model: Any, prompt: Prompt, cache: Any, make_cache: Callable[[], An
     with part(PROMPT_FORWARD):
         first = prompt_forward(model, prompt, cache)
         held, image_mask = cache.take_held(), cache.image_mask  # the first round's cache compresses here
-    prefix = None
-    for _ in range(draft.rounds):
-        with part(DRAFT_STEPS):
-            tokens = drafted(model, cache, first, prompt, draft.tokens, prefix).cpu()
+    prefix = logits = None
+    for round_ in range(draft.rounds):
+        if draft.jacobi and round_ > 0:
+            tokens = predicted_draft(tokens, logits)
+        else:
+            with part(DRAFT_STEPS):
+                tokens = drafted(model, cache, first, prompt, draft.tokens, prefix).cpu()
         del cache  # the draft's cache goes before the next one fills
         with part(DRAFT_ROWS):
             cache = make_cache()
             reading = HeldCache(model.config, held, cache.layers_to_fill(len(held), image_mask))
-            logits = draft_logits(model, prompt, tokens, reading, draft.tokens if draft.verify else 1)
+            logits = draft_logits(model, prompt, tokens, reading, draft.tokens if draft.verify or draft.jacobi else 1)
             if draft.verify:
                 prefix = verified_prefix(tokens, logits)
             del reading
