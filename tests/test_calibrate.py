@@ -437,6 +437,20 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
 
 
 @pytest.mark.parametrize("budget", [0.2, 0.5])
+def test_the_builtin_profiles_draw_is_drawn_again(budget: float) -> None:
+    """scripts/measure_prompt_overhead.py measures a built-in profile again on the prompts its
+    calibration drew: `draw` with the profile's sample count and seed gives the same prompts."""
+    from kvtool.calibrate.runner import draw
+    from kvtool.data import dataset_hash, load_jsonl
+    from kvtool.profiles.builtin import builtin_profile
+
+    info = read_profile(builtin_profile("smollm2", budget)).calibration
+    chosen, choosing, confirming = draw(load_jsonl(None), CalibrateConfig(samples=info.samples, seed=info.seed))
+    assert dataset_hash(chosen) == info.dataset_hash
+    assert len(choosing) == info.chosen_on and len(confirming) == info.confirmed_on
+
+
+@pytest.mark.parametrize("budget", [0.2, 0.5])
 def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float) -> None:
     from kvtool.profiles.builtin import builtin_profile
 

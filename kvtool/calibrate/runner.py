@@ -63,6 +63,34 @@ def exact_answers(records: Sequence[Record]) -> tuple[Record, ...]:
     )
 
 
+def draw(records: Sequence[Record], config: CalibrateConfig) -> tuple[tuple[Record, ...], tuple[Record, ...], tuple[Record, ...]]:
+    """The prompts a run with `config` draws from `records`: (all of them as drawn, in order; the
+    half that chooses the recipe; the half that confirms it). With a recipe search they split by kind
+    (one prompt cannot be split) and the halves' retrieval needles become their references; without,
+    all are in the first half."""
+    space = config.search if config.candidates else None
+    chosen = select_by_kind(records, config.samples, config.seed) if space else select_samples(records, config.samples, config.seed)
+    choosing, confirming = split_by_kind(chosen) if space and len(chosen) > 1 else (chosen, ())
+    chosen = choosing + confirming
+    if space is not None:
+        return chosen, exact_answers(choosing), exact_answers(confirming)
+    return chosen, choosing, confirming
+
+
+def encode_halves(loaded: Any, choosing: Sequence[Record], confirming: Sequence[Record], config: CalibrateConfig) -> tuple[list, list]:
+    """The batches of both halves in order, rows numbered across them, and their answers; the last
+    batch is the confirming half's, where the prompt phase's cost is measured."""
+    batches, answers = [], []
+    for offset, part in ((0, choosing), (len(choosing), confirming)):
+        if part:
+            part_batches, part_answers = encode_batches(
+                loaded, part, max_tokens=config.max_prompt_tokens, method=config.method, batch_size=config.batch_size
+            )
+            batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
+            answers += part_answers
+    return batches, answers
+
+
 def calibrate(
     model: Any,
     budget: float,
@@ -88,24 +116,12 @@ def calibrate(
     dest = check_writable(out) if out is not None else None
     records = tuple(data) if isinstance(data, Sequence) and not isinstance(data, str) else load_jsonl(data)
     space = config.search if config.candidates else None
-    chosen = select_by_kind(records, config.samples, config.seed) if space else select_samples(records, config.samples, config.seed)
-    # The recipe is chosen on one half and confirmed on the other; one prompt cannot be split.
-    choosing, confirming = split_by_kind(chosen) if space and len(chosen) > 1 else (chosen, ())
-    chosen = choosing + confirming
-    if space is not None:
-        choosing, confirming = exact_answers(choosing), exact_answers(confirming)
+    chosen, choosing, confirming = draw(records, config)
     report = progress or no_progress
 
     loaded = as_loaded(model, "calibrate")
     method = config.method
-    batches, answers = [], []
-    for offset, part in ((0, choosing), (len(choosing), confirming)):
-        if part:
-            part_batches, part_answers = encode_batches(
-                loaded, part, max_tokens=config.max_prompt_tokens, method=method, batch_size=config.batch_size
-            )
-            batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
-            answers += part_answers
+    batches, answers = encode_halves(loaded, choosing, confirming, config)
 
     # Statistics under every scorer the search may reach (window: each window and pool width, the
     # seeds' own, e.g. TOVA's one row), and always attention-sum's: PrefixKV's ratios and the
