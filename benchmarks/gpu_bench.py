@@ -9,10 +9,10 @@ What it measures, per `--shapes` cell (prompt tokens x batch), with kvtool's own
 (b) the ceiling: the dense cache cut to the entries kvtool keeps per layer (`truncate_like`);
 (c) kvtool without a draft (the shipped smollm2 b0.2 recipe's rules at `--kv-budget` in every layer,
     the prompt compressed once by its own attention: the scoring pass is the whole extra cost);
-(d) kvtool's default recipe (the same with the built-in profile's drafted answer, verified, its
-    second round drafted from the first's predictions), its held prompts in pinned host memory
-    (runtime.layer.held_prompt), and on a GPU once more with them held on the GPU;
-(d') the same with the second round stepped through the cache again (`Draft.jacobi` off);
+(d) kvtool's default recipe (the same with the built-in profile's drafted answer, verified),
+    its held prompts in pinned host memory (runtime.layer.held_prompt), and on a GPU once more with
+    them held on the GPU;
+(d') the same with the draft's second round taken from the first's predictions (`Draft.jacobi`);
 (c') on a GPU, (c) with each decode step's kvtool work in about 40 eager ops a layer
     (`triton_step.FUSED` off) instead of the four Triton kernels of kernels/triton_step.py (the default);
 (c'') on a GPU, (c) with the fused step's score and victim loop in one program per row and KV head
@@ -123,10 +123,10 @@ FULL_DEFAULT, FULL_NO_CUDNN, CEILING, KVTOOL_NO_DRAFT, KVTOOL, KVTOOL_HELD_ON_GP
 # The decode steps in eager ops instead of kernels/triton_step.py's four kernels a layer.
 KVTOOL_EAGER_NO_DRAFT = "kvtool, no draft, eager step"
 KVTOOL_ONE_PROGRAM = "kvtool, no draft, victim search in one program"  # `triton_step.SPLIT_GAINS` off
-# The recipe's draft with its second round stepped through the cache again (`Draft.jacobi` off), the
-# built-in's before the Jacobi round: what taking the second draft from the first's predictions saves.
-KVTOOL_STEPPED = "kvtool recipe, second round stepped"
-GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_ONE_PROGRAM)
+# The recipe's draft with its second round taken from the first's predictions (`Draft.jacobi`): what
+# that saves on a GPU (calibration's cost ladder tries it before it drops a round).
+KVTOOL_JACOBI = "kvtool recipe, Jacobi second round"
+GPU_ONLY_CELLS = (KVTOOL_HELD_ON_GPU, KVTOOL_EAGER_NO_DRAFT, KVTOOL_ONE_PROGRAM, KVTOOL_JACOBI)
 
 
 class Budget:
@@ -176,10 +176,10 @@ def without_draft(method):
     return dataclasses.replace(method, draft=None)
 
 
-def stepped_rounds(method):
-    """`method` with every round of its draft stepped through the cache (`Draft.jacobi` off)."""
+def jacobi_rounds(method):
+    """`method` with its draft's later rounds taken from the last one's predictions (`Draft.jacobi`)."""
     draft = method.draft
-    return method if draft is None else dataclasses.replace(method, draft=dataclasses.replace(draft, jacobi=False))
+    return method if draft is None else dataclasses.replace(method, draft=dataclasses.replace(draft, jacobi=True))
 
 
 # ----- kvtool's timing loop: every call into kvtool.bench.measure is in these three functions -----
@@ -355,7 +355,7 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
     budget: Budget = args.budget_guard
     recipe = uniform_profile(model, args.kv_budget, method)
     no_draft = uniform_profile(model, args.kv_budget, without_draft(method))
-    stepped = uniform_profile(model, args.kv_budget, stepped_rounds(method))
+    jacobi = uniform_profile(model, args.kv_budget, jacobi_rounds(method))
     # (a) the full cache under each SDPA backend choice; the fastest prompt phase is the baseline.
     backends = {FULL_DEFAULT: contextlib.nullcontext}
     if device.type == "cuda":
@@ -401,10 +401,10 @@ def shape_cells(model, ids: torch.Tensor, args, method, entry: dict[str, Any], c
         CEILING: under(run_ceiling, no_draft), KVTOOL_NO_DRAFT: under(run_kvtool, no_draft), KVTOOL: under(run_kvtool, recipe),
         KVTOOL_HELD_ON_GPU: under(held_on_gpu, recipe),
         KVTOOL_EAGER_NO_DRAFT: under(eager_step, no_draft), KVTOOL_ONE_PROGRAM: under(one_program, no_draft),
-        KVTOOL_STEPPED: under(run_kvtool, stepped),
+        KVTOOL_JACOBI: under(run_kvtool, jacobi),
     }
-    if stepped.method.draft == recipe.method.draft:
-        del others[KVTOOL_STEPPED]
+    if jacobi.method.draft == recipe.method.draft:
+        del others[KVTOOL_JACOBI]
     if not args.ceiling:
         del others[CEILING]
     if device.type != "cuda":  # the same cells as the recipe's and kvtool's without a draft off a GPU

@@ -6,8 +6,8 @@
 #      through the graph, the draft's prompts held in host memory, twice); the prompt kernels alone
 #      (torch's fused forward against the Triton one, each with the column sums); the recipe's prompt
 #      phase by part (`--parts`); the full cache under both SDPA choices, kvtool without a draft and
-#      with its draft (held prompts in host memory, and on the GPU; and with its second round stepped
-#      through the cache as before `Draft.jacobi`), without a draft also with the eager decode step
+#      with its draft (held prompts in host memory, and on the GPU; and with its second round from the
+#      first's predictions, `Draft.jacobi`), without a draft also with the eager decode step
 #      instead of the fused one (kernels/triton_step.py, whose exactness check is in step 2) and with
 #      the fused step's victim search in one program per row (`SPLIT_GAINS`);
 #   3. 32768 x 2: the same without the exactness checks, 2 repeats;

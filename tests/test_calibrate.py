@@ -438,7 +438,7 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
 
 @pytest.mark.parametrize("budget", [0.2, 0.5])
 def test_the_builtin_profiles_draw_is_drawn_again(budget: float) -> None:
-    """scripts/measure_prompt_overhead.py measures a built-in profile again on the prompts its
+    """benchmarks/prompt_overhead.py measures a built-in profile again on the prompts its
     calibration drew: `draw` with the profile's sample count and seed gives the same prompts."""
     from kvtool.calibrate.runner import draw
     from kvtool.data import dataset_hash, load_jsonl
@@ -636,21 +636,24 @@ def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel
 
 
 def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_one(tiny: LoadedModel, monkeypatch) -> None:
-    """The ladder: half the tokens down to 32, then one round fewer, then half the tokens down to 8,
-    then none; the first draft within
+    """The ladder: half the tokens down to 32, then later rounds from the last one's predictions
+    (Jacobi), then one round fewer, then half the tokens down to 8, then none; the first draft within
     the limit ships, and the profile records its measured overhead and the limit (canned overheads:
     the measurement itself is a benchmark's business, not a test's)."""
     from kvtool.calibrate import cost
     from kvtool.profiles import Draft
 
+    jacobi = lambda tokens, rounds: Draft(tokens, rounds, True, jacobi=True)  # noqa: E731
     assert cost.cheaper_drafts(Draft(32, 3, True)) == [
-        Draft(32, 3, True), Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
+        Draft(32, 3, True), jacobi(32, 3), jacobi(32, 2), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
     ]
     assert cost.cheaper_drafts(Draft(64, 2, True)) == [
-        Draft(64, 2, True), Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
+        Draft(64, 2, True), Draft(32, 2, True), jacobi(32, 2), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None
     ]
+    assert cost.cheaper_drafts(jacobi(32, 2)) == [jacobi(32, 2), Draft(32, 1, True), Draft(16, 1, True), Draft(8, 1, True), None]
     assert cost.cheaper_drafts(Draft(128, 1, False))[:3] == [Draft(128, 1, False), Draft(64, 1, False), Draft(32, 1, False)]
-    overheads = {Draft(32, 2, True): 5.0, Draft(32, 1, True): 3.5, Draft(16, 1, True): 2.5, Draft(8, 1, True): 1.8, None: 1.1}
+    overheads = {Draft(32, 2, True): 5.0, jacobi(32, 2): 4.0, Draft(32, 1, True): 3.5, Draft(16, 1, True): 2.5,
+                 Draft(8, 1, True): 1.8, None: 1.1}
     measured = []
 
     def canned(model, profile, prompts, repeats=cost.REPEATS):
@@ -662,7 +665,7 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
         tiny, 0.3, data=word_prompts(3), samples=3, candidates=(), draft=Draft(32, 2, True), max_prompt_overhead=limit
     ).profile
     profile = run(3.0)
-    assert measured == [Draft(32, 2, True), Draft(32, 1, True), Draft(16, 1, True)]
+    assert measured == [Draft(32, 2, True), jacobi(32, 2), Draft(32, 1, True), Draft(16, 1, True)]
     assert profile.method.draft == Draft(16, 1, True)
     assert (profile.calibration.prompt_overhead, profile.calibration.max_prompt_overhead) == (2.5, 3.0)
     measured.clear()

@@ -326,17 +326,16 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "6,rounds=3", "--max-prompt-overhead", "none", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft == Draft(6, 3, verify=True, jacobi=DEFAULT_DRAFT.jacobi)
+    assert read_profile(out).method.draft == Draft(6, 3, verify=True)
     code, shown, _ = run(monkeypatch, capsys, "inspect", "profile", str(out))
-    phrase = "prompt compressed with the attention of a 6-token draft (3 rounds, verified, later rounds from its predictions)"
-    assert code == 0 and phrase in " ".join(shown.split())
+    assert code == 0 and "prompt compressed with the attention of a 6-token draft (3 rounds, verified)" in " ".join(shown.split())
     overhead = read_profile(out).calibration.prompt_overhead
     text = " ".join(shown.split())
     assert overhead > 0 and f"{overhead:.2f}x the full cache's" in text and "(no limit)" in text
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "6,no-verify", "--max-prompt-overhead", "none", "--out", str(out))
     assert code == 0, err
-    assert read_profile(out).method.draft == Draft(6, DEFAULT_DRAFT.rounds, verify=False, jacobi=DEFAULT_DRAFT.jacobi)
+    assert read_profile(out).method.draft == Draft(6, DEFAULT_DRAFT.rounds, verify=False)
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--draft", "none", "--out", str(out))
     assert code == 0, err

@@ -139,17 +139,13 @@ def test_the_prompt_runs_once_and_the_draft_reads_it_held(llama, verify):
         assert ready.prefix is not None and (ready.prefix.lengths >= 1).all()
 
 
-def test_prepare_names_each_part_as_it_runs(llama):
-    """`part` wraps every forward `prepare` runs, each in the part it belongs to (what benchmarks time
-    by it): the prompt's forward, then per round the one-token steps and the draft rows' forward."""
+def prepare_by_part(model, batch, make_cache, drafts):
+    """`prepare` of `batch` (all rows at once) with each of `drafts` in turn, through a `part` that
+    records what runs: (the parts in the order they ran, every forward's (part, input width), the last
+    prepared cache)."""
     import contextlib
 
-    from kvtool.runtime import draft as drafting
-
-    profile = recipe_profile(llama)
-    plans = rules_plans(profile, **RULES["per-head-union-h2o"])
-    batch = left_pad([s.tolist() for s in prompts([40, 26], seed=5)], (0, 1), 0)
-    current, seen, order = [None], [], []
+    current, seen, order, ready = [None], [], [], None
 
     @contextlib.contextmanager
     def part(name):
@@ -158,13 +154,25 @@ def test_prepare_names_each_part_as_it_runs(llama):
         yield
         current[0] = None
 
-    hook = llama.register_forward_pre_hook(lambda m, a, kw: seen.append((current[0], kw["input_ids"].shape[1])), with_kwargs=True)
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append((current[0], kw["input_ids"].shape[1])), with_kwargs=True)
     try:
-        with torch.no_grad(), attach(llama, profile):
-            prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 2, True), part=part, rows=len(batch.input_ids))
-            prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), None, part=part)
+        for draft in drafts:
+            ready = prepare(model, batch, make_cache, draft, part=part, rows=len(batch.input_ids))
     finally:
         hook.remove()
+    return order, seen, ready
+
+
+def test_prepare_names_each_part_as_it_runs(llama):
+    """`part` wraps every forward `prepare` runs, each in the part it belongs to (what benchmarks time
+    by it): the prompt's forward, then per round the one-token steps and the draft rows' forward."""
+    from kvtool.runtime import draft as drafting
+
+    profile = recipe_profile(llama)
+    plans = rules_plans(profile, **RULES["per-head-union-h2o"])
+    batch = left_pad([s.tolist() for s in prompts([40, 26], seed=5)], (0, 1), 0)
+    with torch.no_grad(), attach(llama, profile):
+        order, seen, _ = prepare_by_part(llama, batch, lambda: KvtoolCache(llama.config, plans), [Draft(K, 2, True), None])
     assert order == [drafting.PROMPT_FORWARD, *[drafting.DRAFT_STEPS, drafting.DRAFT_ROWS] * 2, drafting.PROMPT_FORWARD]
     width = batch.input_ids.shape[1]
     assert seen == [(drafting.PROMPT_FORWARD, width), *([(drafting.DRAFT_STEPS, 1)] * (K - 1) + [(drafting.DRAFT_ROWS, K)]) * 2,

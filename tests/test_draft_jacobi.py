@@ -9,8 +9,6 @@ at least one token longer than the first round's; only the first round steps thr
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -21,7 +19,7 @@ from kvtool.runtime import draft as drafting
 from kvtool.runtime.draft import drafted, predicted_draft, prepare, verified_prefix, with_draft
 from kvtool.runtime.steps import prompt_logits
 from kvtool.scoring import left_pad, prompt_forward
-from test_draft import RULES, kept_columns
+from test_draft import RULES, kept_columns, prepare_by_part
 from test_draft_verify import agreed, full_greedy, one_hot_logits
 from test_runtime_rules import recipe_profile, rules_plans
 from tiny_models import prompts, tiny_llama
@@ -78,21 +76,8 @@ def test_only_the_first_round_steps(llama):
     profile = recipe_profile(llama)
     plans = rules_plans(profile, **RULES["per-head-union-h2o"])
     batch = left_pad([s.tolist() for s in prompts([40, 26], seed=5)], (0, 1), 0)
-    current, seen, order = [None], [], []
-
-    @contextlib.contextmanager
-    def part(name):
-        current[0] = name
-        order.append(name)
-        yield
-
-    hook = llama.register_forward_pre_hook(lambda m, a, kw: seen.append((current[0], kw["input_ids"].shape[1])), with_kwargs=True)
-    try:
-        with torch.no_grad(), attach(llama, profile):
-            ready = prepare(llama, batch, lambda: KvtoolCache(llama.config, plans), Draft(K, 3, True, jacobi=True),
-                            part=part, rows=len(batch.input_ids))
-    finally:
-        hook.remove()
+    with torch.no_grad(), attach(llama, profile):
+        order, seen, ready = prepare_by_part(llama, batch, lambda: KvtoolCache(llama.config, plans), [Draft(K, 3, True, jacobi=True)])
     width = batch.input_ids.shape[1]
     assert order == [drafting.PROMPT_FORWARD, drafting.DRAFT_STEPS, *[drafting.DRAFT_ROWS] * 3]
     assert seen == [(drafting.PROMPT_FORWARD, width), *[(drafting.DRAFT_STEPS, 1)] * (K - 1), *[(drafting.DRAFT_ROWS, K)] * 3]
@@ -127,7 +112,7 @@ def test_a_jacobi_draft_round_trips_and_old_files_stay_as_they_were(tmp_path):
     from kvtool.profiles.builtin import builtin_profile
 
     profile = read_profile(builtin_profile("smollm2", 0.2))
-    assert profile.method.draft == Draft(32, 2, verify=True, jacobi=True)
+    assert profile.method.draft == Draft(32, 2, verify=True)  # the built-in steps its second round
     for draft, line in ((Draft(32, 2, True, jacobi=True), "draft: {tokens: 32, rounds: 2, verify: true, jacobi: true}"),
                         (Draft(32, 2, True), "draft: {tokens: 32, rounds: 2, verify: true}\n")):
         changed = dataclasses.replace(profile, method=dataclasses.replace(profile.method, draft=draft))
@@ -135,3 +120,7 @@ def test_a_jacobi_draft_round_trips_and_old_files_stay_as_they_were(tmp_path):
         save_profile(changed, path)
         assert line in path.read_text()
         assert read_profile(path).method.draft == draft
+    from kvtool.profiles.schema import draft_phrase
+
+    assert draft_phrase(Draft(32, 2, True, jacobi=True)).endswith("(2 rounds, verified, later rounds from its predictions)")
+    assert draft_phrase(Draft(32, 1, True, jacobi=True)).endswith("(verified)")  # one round has no later round

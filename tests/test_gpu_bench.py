@@ -150,7 +150,7 @@ def test_prompt_phase_by_part(bench, tmp_path, capsys):
     assert code == 0
     parts = json.loads(report_path.read_text())["parts"]
     assert "error" not in parts, parts.get("error")
-    assert parts["draft"] == {"tokens": 8, "rounds": 2, "verify": True}
+    assert parts["draft"] == {"tokens": 8, "rounds": 2, "verify": True, "jacobi": False}
     assert len(parts["runs"]) == 2
     for run in parts["runs"]:
         assert set(run) == {"full prompt forward", "kvtool prompt phase", *bench.drafting.PARTS}

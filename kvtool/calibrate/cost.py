@@ -45,20 +45,26 @@ class DraftCost:
 
 def cheaper_drafts(draft: Draft | None) -> list[Draft | None]:
     """`draft`, then each cheaper one in the order they are tried: half the tokens down to
-    `HALVE_FIRST_TO`, then one round fewer down to one, then half the tokens down to 8, then no draft.
+    `HALVE_FIRST_TO`, then later rounds from the last one's predictions (`Draft.jacobi`: no steps after
+    the first round's), then one round fewer down to one, then half the tokens down to 8, then no draft.
 
     Tokens go before rounds because that kept more at the same cost: on the 30 unseen calibration
     prompts at 0.2, 32 tokens in 2 rounds measured PPL 2.284, needles 0.750, against 2.319 and 0.458
     for 64 tokens in 1 round, which costs about as much (62 draft steps against 63; docs/results.md,
-    "The draft's length and rounds, against its cost"). Below 32 tokens a draft stops reaching the
-    answers' needles (their digits follow some 16 tokens of lead-in), so rounds go first from there."""
+    "The draft's length and rounds, against its cost"). A Jacobi second round costs one round's steps
+    and a draft forward more, and on the same prompts it kept more than one round (32 x 2 Jacobi
+    against 32 x 1: ROUGE-L +0.067 +- 0.030, needles 0.750 against 0.583; docs/results.md, "A Jacobi
+    second round"). Below 32 tokens a draft stops reaching the answers' needles (their digits follow
+    some 16 tokens of lead-in), so rounds go first from there."""
     ladder: list[Draft | None] = []
     while draft is not None:
         ladder.append(draft)
         if draft.tokens // 2 >= HALVE_FIRST_TO:
             draft = dataclasses.replace(draft, tokens=draft.tokens // 2)
+        elif draft.rounds > 1 and not draft.jacobi:
+            draft = dataclasses.replace(draft, jacobi=True)
         elif draft.rounds > 1:
-            draft = dataclasses.replace(draft, rounds=draft.rounds - 1)
+            draft = dataclasses.replace(draft, rounds=draft.rounds - 1, jacobi=draft.rounds > 2)
         elif draft.tokens // 2 >= 8:
             draft = dataclasses.replace(draft, tokens=draft.tokens // 2)
         else:

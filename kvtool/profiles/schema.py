@@ -79,7 +79,7 @@ class Draft:
     the answer starts with it. `jacobi`: a later round takes its draft from the last round's
     full-attention predictions (the prompt's next token, then the token each draft row predicts, as
     in Jacobi decoding) instead of stepping through the cache again, so only the first round pays
-    for greedy steps.
+    for greedy steps (and less is kept than with stepped rounds: not calibration's default).
     """
 
     tokens: int = field(metadata=rule(low=1))

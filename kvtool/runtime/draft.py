@@ -21,7 +21,8 @@ answer and the next scores closer to what that answer needs. Each round costs `t
 through the compressed cache and one `tokens`-row forward; the held prompt is the full cache's own
 size and is let go once the last round has compressed. With `jacobi` a later round costs only its
 forward: its draft is the last forward's own full-attention predictions (`predicted_draft`), so
-the steps, most of a draft's cost, are paid once. On a GPU it waits in pinned host memory
+the steps, most of a draft's cost, are paid once (it keeps less than a stepped round: calibration's
+cost ladder tries it before it drops a round; docs/results.md, "A Jacobi second round"). On a GPU it waits in pinned host memory
 (`runtime.layer.held_prompt`), so the prompt phase's peak stays below the full cache's; on a CPU
 the batch's rows are prepared a group at a time for the same reason (`runtime.row_groups`).
 
