@@ -170,7 +170,8 @@ def calibrate_command(
             "compress once), 'rounds=N' (each round drafts through the cache the last one scored), 'verify' / "
             "'no-verify' (check each draft against the full-attention logits of the forward that scores it; the "
             "answer starts with the agreed prefix), 'jacobi' / 'no-jacobi' (a later round's draft is the last "
-            "round's full-attention predictions, not new steps through the cache: half the steps of 2 rounds, and less kept), 'stage' (after the search, measure its pick and the recipes one "
+            "round's full-attention predictions, not new steps through the cache: half the steps of 2 rounds, "
+            "less kept), 'stage' (after the search, measure its pick and the recipes one "
             "generation rule or ratio source away with the draft and ship the best if the held-out prompts agree; "
             "minutes more, the built-in profiles are made with it). Omitted parts keep the default's. Hybrid models "
             "(sliding-window layers) get none.",

@@ -117,7 +117,7 @@ class MethodSettings:
     recent_share: float = field(default=0.0, metadata=rule(low=0, high=1))
     ratios: str = field(default="scorer", metadata=rule(choices=RATIO_SOURCES))
     # The answer's first tokens drafted at the budget to score the prompt again (`Draft`); None: the
-    # prompt is compressed once, by its own attention. Written `draft: {tokens: 32, rounds: 2, verify: true, jacobi: true}`.
+    # prompt is compressed once, by its own attention. Written `draft: {tokens: 32, rounds: 2, verify: true}`.
     draft: Draft | None = field(default=None, metadata=rule(omit_none=True, flow=True))
 
     # Keys older files may hold (kvtool.profiles.fields.Legacy): the draft was flat keys (`draft: 64`,
