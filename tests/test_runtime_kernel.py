@@ -193,3 +193,24 @@ def test_block_size_is_measured_once_per_shape_and_can_be_fixed(monkeypatch):
     outs = [causal_blocks(q, k, v, 0.3, rows=rows) for rows in (16, 100, 256)]
     for out, total, _, _ in outs[1:]:
         assert torch.allclose(out, outs[0][0], atol=1e-12) and torch.allclose(total, outs[0][1], atol=1e-12)
+
+
+@pytest.mark.parametrize("queries", [300, 40], ids=["prompt pass", "rows over a held prompt"])
+def test_blocks_written_into_one_buffer_equal_fresh_tensors_per_block(queries):
+    """Inference writes every block's scores into one buffer and takes the softmax in place; with
+    inputs that need gradients each block gets fresh tensors. Both give the same bits, blocks of
+    every width included (the causal blocks grow, the last is partial)."""
+    from kvtool.runtime.importance.causal_blocks import causal_blocks
+
+    g = torch.Generator().manual_seed(13)
+    m = 300
+    q = torch.randn(HEADS, queries, DIM, generator=g)
+    k, v = torch.randn(KV_HEADS, m, DIM, generator=g), torch.randn(KV_HEADS, m, DIM, generator=g)
+    request = ScoreRequest(heads=True, window=20)
+    reused = causal_blocks(q, k, v, SCALE, request, rows=33)
+    fresh = causal_blocks(q.requires_grad_(), k, v, SCALE, request, rows=33)
+    assert fresh[0].requires_grad  # the path that keeps autograd ran
+    for a, b in zip(reused, fresh):
+        assert torch.equal(a, b.detach())
+    with torch.no_grad():  # no gradients wanted: the buffer again, the same bits
+        assert all(torch.equal(a, b) for a, b in zip(reused, causal_blocks(q, k, v, SCALE, request, rows=33)))

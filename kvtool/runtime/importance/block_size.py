@@ -17,10 +17,10 @@ from kvtool.runtime.importance.scores import NO_EXTRAS
 # times every candidate on its own last rows and keeps the fastest (`block_tuning()` tells what
 # was measured). An int here (or KVTOOL_BLOCK_ELEMENTS) fixes the size instead. Read when a call
 # starts, like CHUNK_ELEMENTS. The block size changes only the order of the column sums' additions.
-# The largest candidate bounds what a block holds: its scores and probabilities, two float32 tensors
-# of up to 16 MiB each. 2**24 (64 MiB each) put a one-row prompt phase at 4096 tokens 1.23x the full
-# cache's tensor peak (0.373 against 0.304 GB), and of 13 benchmark runs on the 2-core machine 12
-# chose 2**20 or 2**21 anyway (docs/results.md, speed and memory on the CPU).
+# The largest candidate bounds what a block holds: its scores, which the softmax overwrites, one
+# float32 buffer of up to 16 MiB. 2**24 (then two tensors of 64 MiB each) put a one-row prompt phase
+# at 4096 tokens 1.23x the full cache's tensor peak (0.373 against 0.304 GB), and of 13 benchmark
+# runs on the 2-core machine 12 chose 2**20 or 2**21 anyway (docs/results.md, speed and memory on the CPU).
 BLOCK_ELEMENTS: int | None = None
 DEFAULT_BLOCK_ELEMENTS = 2**22
 BLOCK_CANDIDATES = (2**20, 2**21, 2**22)

@@ -3,6 +3,10 @@
 Per block of query rows: one GEMM for the scores (query heads grouped under their KV head, so keys
 are never repeated), softmax, one GEMM for the output, and the block's probabilities summed into the
 column totals while they are still in cache.
+
+Every block's scores go into one buffer made once per call, and the softmax overwrites them in
+place: a fresh tensor of several MiB per block (two, with the probabilities) costs its pages anew,
+which took about as long as the block's score GEMM (docs/results.md, "Speed and memory on the CPU").
 """
 
 from __future__ import annotations
@@ -33,14 +37,20 @@ def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int,
     window = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.window else None
     first_window_row = m - min(request.window, m)
     future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
+    # Outputs written in place take no part in autograd: a caller that differentiates gets fresh tensors.
+    reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, keys, values)))
+    buffer = query.new_empty(n_kv_heads * groups * min(rows, n_q) * m) if reuse else None  # the widest block's scores
     for r0 in range(max(first_row, offset), m, rows):
         r1 = min(m, r0 + rows)
         c = r1 - r0
         q_block = q[:, :, r0 - offset : r1 - offset].reshape(n_kv_heads, groups * c, head_dim)
-        scores = torch.bmm(q_block, k_t[:, :, :r1]).view(n_kv_heads, groups, c, r1)
+        if buffer is None:
+            scores = torch.bmm(q_block, k_t[:, :, :r1])
+        else:
+            scores = torch.bmm(q_block, k_t[:, :, :r1], out=buffer[: n_kv_heads * groups * c * r1].view(n_kv_heads, groups * c, r1))
         # Only the block's own diagonal square holds future positions.
-        scores[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(n_kv_heads, groups * c, r1)
+        scores.view(n_kv_heads, groups, c, r1)[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
+        probs = torch.softmax(scores, dim=-1) if buffer is None else torch.softmax(scores, dim=-1, out=scores)
         out[:, :, r0 - offset : r1 - offset] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
         if heads is None:
             total[:r1] += probs.sum(dim=(0, 1))
