@@ -44,13 +44,11 @@ def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int,
         r1 = min(m, r0 + rows)
         c = r1 - r0
         q_block = q[:, :, r0 - offset : r1 - offset].reshape(n_kv_heads, groups * c, head_dim)
-        if buffer is None:
-            scores = torch.bmm(q_block, k_t[:, :, :r1])
-        else:
-            scores = torch.bmm(q_block, k_t[:, :, :r1], out=buffer[: n_kv_heads * groups * c * r1].view(n_kv_heads, groups * c, r1))
+        into = None if buffer is None else buffer[: n_kv_heads * groups * c * r1].view(n_kv_heads, groups * c, r1)
+        scores = torch.bmm(q_block, k_t[:, :, :r1], out=into)
         # Only the block's own diagonal square holds future positions.
         scores.view(n_kv_heads, groups, c, r1)[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
-        probs = torch.softmax(scores, dim=-1) if buffer is None else torch.softmax(scores, dim=-1, out=scores)
+        probs = torch.softmax(scores, dim=-1, out=into)
         out[:, :, r0 - offset : r1 - offset] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
         if heads is None:
             total[:r1] += probs.sum(dim=(0, 1))
