@@ -192,7 +192,7 @@ def truncate_like(cache: Any, plans: Sequence[LayerPlan | None]) -> None:
     layers) and layers at ratio 1 stay untouched.
     """
     for layer, plan in zip(cache.layers, plans):
-        if plan is None or plan.ratio >= 1.0 or getattr(layer, "keys", None) is None:
+        if plan is None or not plan.compresses or getattr(layer, "keys", None) is None:
             continue
         n = int(layer.keys.shape[-2])
         keep = int(plan.keep(np.array([n]))[0])

@@ -8,6 +8,7 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles.schema import ModelFingerprint
 
 FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 
 def fingerprint_of(model_or_config: Any, name: str | None = None) -> ModelFingerprint:
@@ -31,6 +32,7 @@ def fingerprint_of(model_or_config: Any, name: str | None = None) -> ModelFinger
         hidden_size=hidden_size,
         vocab_size=_required_int(text, "vocab_size"),
         layer_types=_layer_types(text, num_layers),
+        sliding_window=_optional_int(text, "sliding_window") if SLIDING_ATTENTION in _layer_types(text, num_layers) else None,
     )
 
 
@@ -79,5 +81,11 @@ def _required_int(config: Any, attr: str) -> int:
 def _layer_types(config: Any, num_layers: int) -> tuple[str, ...]:
     types = getattr(config, "layer_types", None)
     if types is None:
+        # As transformers' cache infers them: a `sliding_window` (Mistral-style) or `attention_chunk_size`
+        # on the config applies to every layer.
+        if getattr(config, "sliding_window", None) is not None:
+            return (SLIDING_ATTENTION,) * num_layers
+        if getattr(config, "attention_chunk_size", None) is not None:
+            return ("chunked_attention",) * num_layers
         return (FULL_ATTENTION,) * num_layers
     return tuple(str(t) for t in types)

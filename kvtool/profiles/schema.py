@@ -54,6 +54,9 @@ class ModelFingerprint:
     layer_types: tuple[str, ...] = field(
         default=(), metadata=rule(flow=True, nonempty=True, per_layer=True, may_be_empty=True)
     )
+    # The sliding-window layers' window in tokens (transformers' layer stores window - 1 of them);
+    # None for models without one, and in profiles made before the field existed.
+    sliding_window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
 
     def mismatches(self, other: "ModelFingerprint") -> list[str]:
         """Fields that make `other` incompatible (the name alone never does)."""
@@ -168,6 +171,11 @@ class LayerProfile:
     scorer_curve: tuple[float, ...] | None = field(
         default=None, metadata=rule(low=0, high=1, increasing=True, flow=True, digits=6, omit_none=True)
     )
+    # A window-shaped layer (a sliding-window layer given a shorter window): it keeps at most `window`
+    # entries, its first `sinks` tokens and the most recent ones, at any length; `ratio` is then 1.
+    # Left out of the file when None (the layer keeps what its ratio, or the model, says).
+    window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
+    sinks: int | None = field(default=None, metadata=rule(low=0, omit_none=True))
 
 
 @dataclass(frozen=True)
@@ -265,6 +273,10 @@ class Profile:
     model: ModelFingerprint
     method: MethodSettings
     calibration: CalibrationInfo | None = field(default=None, kw_only=True)
+    # The prompt length at which `budget` is the kept share of the whole cache, each layer counted as
+    # it stores (a sliding layer min(L, window - 1)); None in profiles made before the field existed,
+    # whose budget is the compressing layers' kept share (the same for a model of full-attention layers).
+    reference_tokens: int | None = field(default=None, kw_only=True, metadata=rule(low=1, omit_none=True))
     # Listed in order, each entry stating its position (a check against hand edits).
     layers: tuple[LayerProfile, ...] = field(metadata=rule(per_layer=True, index_key="layer"))
 

@@ -22,7 +22,9 @@ from kvtool.profiles import (
     fingerprint_of,
     read_profile,
 )
+from kvtool.profiles import whole_cache
 from kvtool.profiles.budget import rebudget
+from kvtool.profiles.fingerprint import SLIDING_ATTENTION
 from kvtool.runtime import attention
 from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
@@ -71,7 +73,10 @@ def check_rule_names(profile: Profile, source: str = "profile") -> None:
 
 
 def uniform_profile(model, budget: float, method: MethodSettings | None = None) -> Profile:
-    """The same kept ratio in every full-attention layer (Elastic Cache's setting)."""
+    """The same kept share in every layer (Elastic Cache's setting): each full-attention layer keeps
+    `budget` of its entries; on a hybrid model each sliding layer keeps a window of `budget` of its
+    own (sinks and the most recent tokens), so the whole cache keeps `budget` at any length past the
+    window (whole_cache.py)."""
     if not (0.0 < budget <= 1.0) or budget != budget:
         raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget}")
     fingerprint = fingerprint_of(model)
@@ -79,7 +84,7 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
         LayerProfile(ratio=budget if kind == FULL_ATTENTION else 1.0, compress=kind == FULL_ATTENTION)
         for kind in fingerprint.layer_types
     )
-    return Profile(
+    profile = Profile(
         budget=budget,
         model=fingerprint,
         method=method or MethodSettings(),
@@ -87,6 +92,15 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
         kvtool_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
+    if not whole_cache.is_hybrid(fingerprint):
+        return profile
+    tokens = whole_cache.DEFAULT_REFERENCE_TOKENS
+    window = whole_cache.uniform_window(budget, fingerprint)
+    shaped = whole_cache.with_windows(
+        dataclasses.replace(profile, method=dataclasses.replace(profile.method, ratios="uniform")), budget, window,
+        tokens=tokens, source=f"budget {budget:g}",
+    )
+    return dataclasses.replace(shaped, method=profile.method)
 
 
 def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
@@ -94,6 +108,9 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
     rule, select, evict = merge_rule(method.merge), select_rule(method.selection), evict_rule(method.eviction)
     plans: list[LayerPlan | None] = []
     for kind, layer in zip(profile.model.layer_types, profile.layers):
+        if kind == SLIDING_ATTENTION and layer.window is not None:
+            plans.append(window_plan(layer, profile.model))
+            continue
         if kind != FULL_ATTENTION or not layer.compress:
             plans.append(None)
             continue
@@ -116,6 +133,15 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
             )
         )
     return plans
+
+
+def window_plan(layer: LayerProfile, model) -> LayerPlan:
+    """A window-shaped layer: its first `sinks` tokens and a queue of the most recent, `window` in all."""
+    return LayerPlan(
+        ratio=1.0, merge=merge_rule("none"), sink_tokens=layer.sinks or 0, recent_window=0, truncation_distance=0,
+        select=select_rule("recent"), evict=evict_rule("sliding"), cap=layer.window,
+        native_window=whole_cache.native_window(model),
+    )
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
@@ -16,7 +16,7 @@ from kvtool.runtime.layer.held_prompt import HeldPrompt
 
 class KvtoolCache(DynamicCache):
     """One CompressingLayer per planned layer; layers planned as None keep transformers' own class
-    (sliding-window layers of hybrid models such as Gemma 3 are left alone)."""
+    (a hybrid model's sliding-window layers that keep their own window)."""
 
     def __init__(self, config, plans: Sequence[LayerPlan | None]):
         super().__init__(config=config)
@@ -25,8 +25,9 @@ class KvtoolCache(DynamicCache):
         for i, plan in enumerate(plans):
             if plan is None:
                 continue
-            if type(self.layers[i]) is not DynamicLayer:
-                raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}; only full-attention layers compress")
+            expected = DynamicSlidingWindowLayer if plan.native_window is not None else DynamicLayer
+            if type(self.layers[i]) is not expected:
+                raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}, not the {expected.__name__} its plan is for")
             self.layers[i] = CompressingLayer(plan)
         self.image_mask: torch.Tensor | None = None  # [B, n] image-token positions of the prompt
 

@@ -53,6 +53,8 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
     def __init__(self, plan: LayerPlan):
         super().__init__()
         self.plan = plan
+        # transformers builds the sliding-window mask from the first sliding layer's sizes (logical here)
+        self.is_sliding = plan.native_window is not None
         self._clear()
 
     def _clear(self) -> None:
@@ -175,8 +177,11 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def full_bytes(self) -> int:
-        """What a plain DynamicLayer would hold for the same tokens."""
+        """What transformers' own layer would hold for the same tokens (a sliding window's at most
+        window - 1 of them)."""
         if not self.is_initialized:
             return 0
         bsz, heads, _, dim = self.keys.shape
-        return 2 * bsz * heads * self.seen * dim * self.keys.element_size()
+        native = self.plan.native_window
+        columns = self.seen if native is None else min(self.seen, native)
+        return 2 * bsz * heads * columns * dim * self.keys.element_size()

@@ -45,17 +45,35 @@ class LayerPlan:
     # prompt leaves the tightest layers a few entries and the model degenerates, while a floor costs
     # nothing once ratio * T passes it. 0: the ratio alone.
     min_kept: int = 0
+    # A window-shaped layer keeps at most `cap` entries at any length (`sink_tokens` first tokens and
+    # a queue of the most recent: select `recent`, evict `sliding`), what engines take as a per-layer
+    # attention window (TensorRT-LLM's max_attention_window, vLLM's sliding groups). None: the ratio alone.
+    cap: int | None = None
+    # What transformers' own layer would store at most: a sliding-window layer's window - 1 (None: the
+    # whole sequence). The full cache the layer's kept share is counted against (`full_bytes`).
+    native_window: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:
             raise KvtoolError(f"min-kept must be an integer >= 0, got {self.min_kept!r}")
         if self.heads not in HEAD_MODES:
             raise KvtoolError(f"unknown head mode {self.heads!r} (known: {', '.join(HEAD_MODES)})")
+        if self.cap is not None and (isinstance(self.cap, bool) or not isinstance(self.cap, int) or self.cap < 1):
+            raise KvtoolError(f"a layer's window must be an integer >= 1, got {self.cap!r}")
+        if self.cap is not None and self.native_window is not None and self.cap > self.native_window:
+            raise KvtoolError(f"a layer's window ({self.cap}) cannot exceed the model's own ({self.native_window} entries)")
         self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
 
     def keep(self, tokens: np.ndarray) -> np.ndarray:
-        """Entries each sequence keeps after `tokens` real tokens: ceil(ratio * T), at least `min_kept`."""
-        return kept_count(self.ratio, tokens, self.min_kept)
+        """Entries each sequence keeps after `tokens` real tokens: ceil(ratio * T), at least `min_kept`,
+        at most `cap`."""
+        kept = kept_count(self.ratio, tokens, self.min_kept)
+        return kept if self.cap is None else np.minimum(kept, self.cap)
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the layer ever keeps fewer entries than it is given."""
+        return self.ratio < 1.0 or self.cap is not None
 
     @property
     def scoring(self) -> Scorer:

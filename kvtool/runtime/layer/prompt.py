@@ -29,7 +29,7 @@ class PromptCompression:
 
     @property
     def compresses(self) -> bool:
-        return self.plan.ratio < 1.0
+        return self.plan.compresses
 
     @property
     def needs_importance(self) -> bool:
@@ -156,7 +156,7 @@ class PromptCompression:
         self.per_head = plan.heads == "per-head" and self.compresses
         if rank_by is None:
             rank_by = importance  # rules that rank by position ignore it
-        if plan.ratio >= 1.0:
+        if not self.compresses:
             keep = self.tokens
             index = self.order
             kept_valid = token_valid

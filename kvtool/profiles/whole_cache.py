@@ -1,0 +1,140 @@
+"""What a budget means on a model whose layers store different lengths: the whole cache's share.
+
+A sliding-window layer (Gemma 2/3, Mistral) stores at most window - 1 entries while a full-attention
+layer stores every token, so "keep 20%" of a hybrid model is a statement about the sum. A profile's
+`budget` is the kept share of the whole cache at `reference_tokens` prompt tokens, each layer counted
+as it stores:
+
+    sum_l kept_l(L) = budget * sum_l stored_l(L),   L = reference_tokens
+
+with stored_l(L) = min(L, W - 1) for a sliding layer and L for a full one; kept_l(L) is min(L, w_l)
+for a window-shaped layer (its first `sinks` tokens and the most recent, w_l entries at most: what
+engines accept as a per-layer window), ceil(R_l * L) for a layer kept by ratio, stored_l(L) for one
+kvtool leaves alone. Given the windows, the full-attention layers' mean ratio is what is left
+(`global_budget`); their per-layer ratios then come from the profile's curves as on any model.
+Every layer holds the same KV heads and head size in the models kvtool names, so entries stand for
+bytes. No torch here: `inspect profile` reads it without loading a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles.budget import MIN_RATIO, rebudget
+from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
+from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
+
+# Where people compress: the prompt length a hybrid profile's budget is held at unless calibration is told otherwise.
+DEFAULT_REFERENCE_TOKENS = 4096
+# A window-shaped layer keeps its first tokens (attention sinks) and the most recent ones.
+WINDOW_SINKS = 4
+# No window goes below this many entries: its sinks and a short recent queue.
+MIN_WINDOW = 32
+
+
+def is_hybrid(fingerprint: ModelFingerprint) -> bool:
+    """True for models with sliding-window layers (every layer of a Mistral-style model, or some)."""
+    return fingerprint.sliding_window is not None and SLIDING_ATTENTION in fingerprint.layer_types
+
+
+def native_window(fingerprint: ModelFingerprint) -> int:
+    """Entries transformers' sliding layer stores at most (window - 1)."""
+    return int(fingerprint.sliding_window) - 1
+
+
+def stored(kind: str, tokens: int, fingerprint: ModelFingerprint) -> int:
+    """Entries the full cache's layer of `kind` holds after `tokens` tokens."""
+    return min(tokens, native_window(fingerprint)) if kind == SLIDING_ATTENTION and is_hybrid(fingerprint) else tokens
+
+
+def kept(layer: LayerProfile, kind: str, tokens: int, fingerprint: ModelFingerprint) -> int:
+    """Entries the layer keeps after `tokens` tokens under the profile (the runtime's count)."""
+    if layer.window is not None:
+        return min(tokens, layer.window)
+    if not layer.compress or layer.ratio >= 1.0:
+        return stored(kind, tokens, fingerprint)
+    return min(tokens, max(1, math.ceil(layer.ratio * tokens - 1e-9)))
+
+
+def shares(profile: Profile, tokens: int | None = None) -> dict[str, float]:
+    """Kept share of the whole cache ("all") and of each layer type at `tokens` (default: the profile's
+    reference length, or 4096)."""
+    tokens = tokens or profile.reference_tokens or DEFAULT_REFERENCE_TOKENS
+    model = profile.model
+    kinds = model.layer_types or (FULL_ATTENTION,) * len(profile.layers)
+    totals: dict[str, list[int]] = {}
+    for kind, layer in zip(kinds, profile.layers):
+        row = totals.setdefault(kind, [0, 0])
+        row[0] += kept(layer, kind, tokens, model)
+        row[1] += stored(kind, tokens, model)
+    result = {kind: k / s for kind, (k, s) in totals.items() if s}
+    kept_all, stored_all = (sum(v[i] for v in totals.values()) for i in (0, 1))
+    result["all"] = kept_all / stored_all if stored_all else 1.0
+    return result
+
+
+def global_budget(profile: Profile, budget: float, tokens: int) -> float:
+    """The full-attention layers' mean ratio that makes the whole cache `budget` at `tokens`, given
+    the windows `profile` gives its sliding layers; above 1 where the windows alone leave more room."""
+    model = profile.model
+    total = sum(stored(kind, tokens, model) for kind in model.layer_types)
+    fixed = sum(kept(layer, kind, tokens, model) for kind, layer in zip(model.layer_types, profile.layers) if not layer.compress)
+    ratio_layers = sum(1 for layer in profile.layers if layer.compress)
+    if not ratio_layers:
+        return math.inf if fixed <= budget * total else -math.inf
+    return (budget * total - fixed) / (ratio_layers * tokens)
+
+
+def floor(fingerprint: ModelFingerprint, tokens: int) -> float:
+    """The smallest whole-cache budget kvtool reaches at `tokens`: every sliding layer at MIN_WINDOW,
+    every full one at MIN_RATIO."""
+    total = sum(stored(kind, tokens, fingerprint) for kind in fingerprint.layer_types)
+    smallest = min(MIN_WINDOW, native_window(fingerprint)) if is_hybrid(fingerprint) else MIN_WINDOW
+    least = sum(
+        min(tokens, smallest) if kind == SLIDING_ATTENTION else max(1, math.ceil(MIN_RATIO * tokens))
+        for kind in fingerprint.layer_types
+    )
+    return least / total
+
+
+def with_windows(profile: Profile, budget: float, window: int | None, *, tokens: int, sinks: int = WINDOW_SINKS,
+                 source: str = "profile") -> Profile:
+    """`profile` at whole-cache `budget`: every sliding layer window-shaped at `window` entries (None:
+    the model's own), the full-attention layers' ratios re-derived for what is left (from the stored
+    curves, or uniform). A split the budget cannot pay for is a one-line error naming the floor."""
+    model = profile.model
+    native = native_window(model)
+    if window is not None and not (1 <= window <= native):
+        raise KvtoolError(f"{source}: a sliding layer's window must be in [1, {native}], got {window}")
+    keep_native = window is None or window >= native
+    layers = [
+        dataclasses.replace(layer, ratio=1.0, compress=False, window=None if keep_native else int(window),
+                            sinks=None if keep_native else min(sinks, int(window) - 1))
+        if kind == SLIDING_ATTENTION else layer
+        for kind, layer in zip(model.layer_types, profile.layers)
+    ]
+    shaped = dataclasses.replace(profile, layers=tuple(layers))
+    share = global_budget(shaped, budget, tokens)
+    least = floor(model, tokens)
+    if share < MIN_RATIO - 1e-12:
+        if budget < least:
+            raise KvtoolError(
+                f"{source}: budget {budget:g} is below what kvtool keeps of this model's cache at {tokens} tokens "
+                f"(floor {least:.3f}: sliding windows of {MIN_WINDOW}, full-attention layers at {MIN_RATIO:g})"
+            )
+        raise KvtoolError(
+            f"{source}: sliding windows of {window if window is not None else native} leave the full-attention layers "
+            f"{max(share, 0.0):.3f} of their entries at budget {budget:g} and {tokens} tokens; give the windows less"
+        )
+    if any(layer.compress for layer in layers):
+        shaped, _ = rebudget(shaped, min(share, 1.0), source=source)
+    return dataclasses.replace(shaped, budget=budget, reference_tokens=tokens)
+
+
+def uniform_window(budget: float, fingerprint: ModelFingerprint) -> int | None:
+    """The window that keeps `budget` of a sliding layer once it is full (None at budget 1: its own)."""
+    native = native_window(fingerprint)
+    window = max(MIN_WINDOW, math.ceil(budget * native - 1e-9))
+    return None if window >= native else window
