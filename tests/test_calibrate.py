@@ -180,18 +180,48 @@ def test_written_profile_loads_and_attaches(tiny: LoadedModel, tmp_path: Path) -
     assert [p.name for p in out.parent.iterdir()] == ["tiny.yaml"]  # no temp file left behind
 
 
-def test_sliding_window_layers_are_left_alone() -> None:
+def test_hybrid_budget_is_the_whole_cache_at_its_reference_length() -> None:
+    from kvtool.profiles import whole_cache
+
     gemma = loaded(tiny_gemma3(dtype=torch.float32))
     profile = calibrate(gemma, 0.25, data=word_prompts(4), samples=3, **FAST).profile
     kinds = profile.model.layer_types
     for kind, layer in zip(kinds, profile.layers):
-        if kind == "sliding_attention":
-            assert layer.ratio == 1.0 and not layer.compress and not layer.priority_curve
+        if kind == "sliding_attention":  # its own 7 entries are already the smallest window
+            assert layer.ratio == 1.0 and not layer.compress and not layer.priority_curve and layer.window is None
         else:
             assert layer.compress and layer.priority_curve
-    assert compressed_ratios(profile).mean() == pytest.approx(0.25, abs=1e-12)
+    assert profile.budget_tokens == 4096
+    assert whole_cache.shares(profile)["all"] == pytest.approx(0.25, abs=1e-3)
     # A draft's rows would stay in the sliding-window layers (transformers' own): hybrid models get none.
     assert profile.method.draft is None
+
+
+def test_hybrid_calibration_chooses_the_sliding_windows_by_measured_loss() -> None:
+    import dataclasses as dc
+
+    from kvtool.profiles import whole_cache
+    from transformers import Gemma3ForCausalLM
+
+    model = tiny_gemma3(dtype=torch.float32)
+    config = dc.replace(model.config) if dc.is_dataclass(model.config) else model.config.__class__(**model.config.to_dict())
+    config.sliding_window = 40
+    torch.manual_seed(0)
+    wide = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    wide.set_attn_implementation("sdpa")
+    run = calibrate(
+        loaded(wide), 0.3, data=word_prompts(6), samples=4, budget_tokens=160, long_prompt_tokens=120,
+        reference_tokens=6, candidates=(0,), draft=None,
+    )
+    profile = run.profile
+    assert set(run.windows.ppl) == {39, 32}  # the model's own 39 entries, and the smallest rung
+    assert profile.calibration.window_ppl == run.windows.ppl
+    best = min(run.windows.ppl, key=run.windows.ppl.get)
+    sliding = [layer for kind, layer in zip(profile.model.layer_types, profile.layers) if kind == "sliding_attention"]
+    assert all(layer.window == (None if best == 39 else best) for layer in sliding)
+    assert profile.budget_tokens == 160
+    assert whole_cache.shares(profile)["all"] == pytest.approx(0.3, abs=0.01)
+    assert profile.calibration.prompt_tokens.min > 40  # the long prompts pass the window
 
 
 def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -> None:

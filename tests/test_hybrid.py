@@ -214,7 +214,7 @@ def test_global_layers_decode_as_masked_full_attention():
 def test_uniform_hybrid_profile_keeps_the_budget_of_the_whole_cache():
     model = tiny_gemma3()
     profile = uniform_profile(model, 0.5)
-    assert profile.reference_tokens == whole_cache.DEFAULT_REFERENCE_TOKENS
+    assert profile.budget_tokens == whole_cache.DEFAULT_BUDGET_TOKENS
     shares = whole_cache.shares(profile)
     assert abs(shares["all"] - 0.5) < 0.01  # windows are whole entries
 
@@ -226,7 +226,7 @@ def test_whole_cache_split_solves_the_full_layers_and_refuses_below_the_floor():
     gemma = uniform_profile(tiny_gemma3(), 1.0)
     gemma = dataclasses.replace(gemma, method=dataclasses.replace(gemma.method, ratios="uniform"))
     split = whole_cache.with_windows(gemma, 0.3, 3, tokens=100, sinks=1)
-    assert split.reference_tokens == 100
+    assert split.budget_tokens == 100
     # 2 sliding layers keep 3 of 7; 2 full layers keep R of 100: (6 + 200 R) / 214 = 0.3
     ratio = next(layer.ratio for layer in split.layers if layer.compress)
     assert abs(ratio - (0.3 * 214 - 6) / 200) < 1e-9

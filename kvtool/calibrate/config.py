@@ -10,6 +10,10 @@ from kvtool.profiles import MERGE_MODES, Draft, MethodSettings
 from kvtool.calibrate.recipes import SearchSpace
 
 DEFAULT_SAMPLES = 10
+# Hybrid models: the budget holds at 4096 prompt tokens (profiles.whole_cache); calibration prompts of
+# about 2048 tokens are past a 512-token window four times over and keep a 2-core run in minutes.
+DEFAULT_BUDGET_TOKENS = 4096
+DEFAULT_LONG_PROMPT_TOKENS = 2048
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 # All default samples in one batch: per-token steps cost about the same for 1 row as for 10.
 DEFAULT_BATCH_SIZE = 10
@@ -73,6 +77,11 @@ class CalibrateConfig:
     # one that fits. None: measured and recorded, never limited. Why this value: docs/results.md,
     # "Speed and memory on the CPU".
     max_prompt_overhead: float | None = DEFAULT_MAX_PROMPT_OVERHEAD
+    # Hybrid models (sliding-window layers): the prompt length the whole-cache budget is held at
+    # (recorded in the profile as `budget_tokens`), and the length of the long prompts calibration
+    # builds from the drawn ones (data.long_prompts), past the windows so that they matter.
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS
+    long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -102,6 +111,10 @@ class CalibrateConfig:
         limit = self.max_prompt_overhead
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1.0):
             raise KvtoolError(f"max-prompt-overhead must be a number >= 1 (a multiple of the full cache's prompt phase), got {limit!r}")
+        if isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int) or self.budget_tokens < 1:
+            raise KvtoolError(f"budget-tokens must be a positive integer (a prompt length), got {self.budget_tokens!r}")
+        if isinstance(self.long_prompt_tokens, bool) or not isinstance(self.long_prompt_tokens, int) or self.long_prompt_tokens < 1:
+            raise KvtoolError(f"long-prompt-tokens must be a positive integer, got {self.long_prompt_tokens!r}")
         if self.reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
@@ -116,6 +129,8 @@ class CalibrateConfig:
             draft=self.draft,
             draft_stage=bool(self.draft_stage),
             max_prompt_overhead=None if limit is None else float(limit),
+            budget_tokens=self.budget_tokens,
+            long_prompt_tokens=self.long_prompt_tokens,
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

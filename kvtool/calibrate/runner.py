@@ -27,10 +27,12 @@ from kvtool.calibrate.recipes import seed_recipes, stage_options
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
 from kvtool.calibrate.search import ChosenRecipe, choose_recipe
+from kvtool.calibrate.windows import WindowChoice, choose_windows
 from kvtool.data import Record, load_jsonl, select_by_kind, select_samples, split_by_kind
+from kvtool.data.long_prompts import long_prompts
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
-from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile
+from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
 from kvtool.profiles.fingerprint import FULL_ATTENTION
 from kvtool.scoring import encode_batches
 
@@ -51,6 +53,8 @@ class CalibrationResult:
     merge_ppl: dict[str, float] = field(default_factory=dict)
     # The recipe search and its confirmation; None when the run kept the given recipe.
     recipes: ChosenRecipe | None = None
+    # Hybrid models: the sliding windows tried and the split shipped (calibrate.windows); None elsewhere.
+    windows: WindowChoice | None = None
 
 
 def exact_answers(records: Sequence[Record]) -> tuple[Record, ...]:
@@ -120,6 +124,12 @@ def calibrate(
     report = progress or no_progress
 
     loaded = as_loaded(model, "calibrate")
+    hybrid = whole_cache.is_hybrid(fingerprint_of(loaded.model))
+    if hybrid:
+        # Sliding windows matter only past their length: each drawn prompt amid others of the set.
+        long = lambda part: long_prompts(part, records, config.long_prompt_tokens, config.seed)  # noqa: E731
+        chosen, choosing, confirming = long(chosen), long(choosing), long(confirming)
+        config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * config.long_prompt_tokens))
     method = config.method
     batches, answers = encode_halves(loaded, choosing, confirming, config)
 
@@ -176,6 +186,13 @@ def calibrate(
         profile = with_method(profile, merge=search.merge, truncation_distance=truncation.best)
     else:
         profile = profile_for(method)
+    windows = None
+    if hybrid:
+        split = len([b for b in batches if b.rows[0] < len(choosing)])
+        windows = choose_windows(
+            loaded.model, profile, budget, config.budget_tokens, measured.states[:split], measured.states[split:], report
+        )
+        profile = windows.profile
     # The prompt phase the profile will cost, on the last batch (the held-out prompts where there are
     # two halves); a draft over the limit gives way to the next cheaper one that fits.
     costs = affordable_draft(loaded.model, profile, batches[-1:], config.max_prompt_overhead, progress=report)
@@ -187,6 +204,7 @@ def calibrate(
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
     profile = replace(profile, calibration=replace(
         profile.calibration, prompt_overhead=round(costs[-1].ratio, 3), max_prompt_overhead=config.max_prompt_overhead,
+        window_ppl=windows.ppl if windows is not None and windows.ppl else None,
     ))
     if dest is not None:
         save_profile(profile, dest)
@@ -201,4 +219,5 @@ def calibrate(
         path=dest,
         merge_ppl=merge_ppl,
         recipes=recipes,
+        windows=windows,
     )

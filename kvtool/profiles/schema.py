@@ -247,6 +247,12 @@ class CalibrationInfo:
     confirmed_on: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     held_out_ppl_full: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
     recipes: tuple[RecipeTrial, ...] | None = field(default=None, metadata=rule(omit_none=True))
+    # Hybrid models: each sliding-layer window tried (entries; the model's own is window - 1) -> PPL on
+    # the prompts that chose, at the whole-cache budget (calibrate.windows); absent elsewhere.
+    window_ppl: dict[int, float] | None = field(
+        default=None,
+        metadata=rule(low=0, open_low=True, nullable=True, keys=("window", "perplexity"), key_low=1, omit_none=True),
+    )
     # The prompt phase measured with the shipped method and its draft, as a multiple of the full
     # cache's prompt forward on the calibration prompts (`kvtool.calibrate.cost`), and the limit it
     # had to stay within (`kvtool calibrate --max-prompt-overhead`; left out when none was set).
@@ -276,7 +282,7 @@ class Profile:
     # The prompt length at which `budget` is the kept share of the whole cache, each layer counted as
     # it stores (a sliding layer min(L, window - 1)); None in profiles made before the field existed,
     # whose budget is the compressing layers' kept share (the same for a model of full-attention layers).
-    reference_tokens: int | None = field(default=None, kw_only=True, metadata=rule(low=1, omit_none=True))
+    budget_tokens: int | None = field(default=None, kw_only=True, metadata=rule(low=1, omit_none=True))
     # Listed in order, each entry stating its position (a check against hand edits).
     layers: tuple[LayerProfile, ...] = field(metadata=rule(per_layer=True, index_key="layer"))
 

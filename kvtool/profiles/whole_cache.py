@@ -2,10 +2,10 @@
 
 A sliding-window layer (Gemma 2/3, Mistral) stores at most window - 1 entries while a full-attention
 layer stores every token, so "keep 20%" of a hybrid model is a statement about the sum. A profile's
-`budget` is the kept share of the whole cache at `reference_tokens` prompt tokens, each layer counted
+`budget` is the kept share of the whole cache at `budget_tokens` prompt tokens, each layer counted
 as it stores:
 
-    sum_l kept_l(L) = budget * sum_l stored_l(L),   L = reference_tokens
+    sum_l kept_l(L) = budget * sum_l stored_l(L),   L = budget_tokens
 
 with stored_l(L) = min(L, W - 1) for a sliding layer and L for a full one; kept_l(L) is min(L, w_l)
 for a window-shaped layer (its first `sinks` tokens and the most recent, w_l entries at most: what
@@ -27,7 +27,7 @@ from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
 
 # Where people compress: the prompt length a hybrid profile's budget is held at unless calibration is told otherwise.
-DEFAULT_REFERENCE_TOKENS = 4096
+DEFAULT_BUDGET_TOKENS = 4096
 # A window-shaped layer keeps its first tokens (attention sinks) and the most recent ones.
 WINDOW_SINKS = 4
 # No window goes below this many entries: its sinks and a short recent queue.
@@ -61,7 +61,7 @@ def kept(layer: LayerProfile, kind: str, tokens: int, fingerprint: ModelFingerpr
 def shares(profile: Profile, tokens: int | None = None) -> dict[str, float]:
     """Kept share of the whole cache ("all") and of each layer type at `tokens` (default: the profile's
     reference length, or 4096)."""
-    tokens = tokens or profile.reference_tokens or DEFAULT_REFERENCE_TOKENS
+    tokens = tokens or profile.budget_tokens or DEFAULT_BUDGET_TOKENS
     model = profile.model
     kinds = model.layer_types or (FULL_ATTENTION,) * len(profile.layers)
     totals: dict[str, list[int]] = {}
@@ -130,7 +130,7 @@ def with_windows(profile: Profile, budget: float, window: int | None, *, tokens:
         )
     if any(layer.compress for layer in layers):
         shaped, _ = rebudget(shaped, min(share, 1.0), source=source)
-    return dataclasses.replace(shaped, budget=budget, reference_tokens=tokens)
+    return dataclasses.replace(shaped, budget=budget, budget_tokens=tokens)
 
 
 def uniform_window(budget: float, fingerprint: ModelFingerprint) -> int | None:

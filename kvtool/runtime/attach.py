@@ -94,7 +94,7 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
     )
     if not whole_cache.is_hybrid(fingerprint):
         return profile
-    tokens = whole_cache.DEFAULT_REFERENCE_TOKENS
+    tokens = whole_cache.DEFAULT_BUDGET_TOKENS
     window = whole_cache.uniform_window(budget, fingerprint)
     shaped = whole_cache.with_windows(
         dataclasses.replace(profile, method=dataclasses.replace(profile.method, ratios="uniform")), budget, window,

@@ -1,0 +1,77 @@
+"""The window stage: how a hybrid model's whole-cache budget is split between its layer types.
+
+A sliding-window layer can keep a shorter window (its first tokens and the most recent ones, what
+engines accept per layer) and every entry it gives up goes to the full-attention layers
+(`profiles.whole_cache`). Which split loses least is measured, not assumed: every window of a ladder
+(the model's own, half and a quarter of it, 128, 64, 32) whose split the budget can pay for is run
+as it will ship, its prompt forward and the references teacher-forced through the cache, on the
+prompts that chose the recipe; the lowest PPL wins, and the held-out prompts report it beside the
+model's own windows' (or the widest that fits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvtool.calibrate.passes import Progress, PromptState, _Counter, drafted_ppls, reference_steps
+from kvtool.errors import KvtoolError
+from kvtool.profiles import Profile
+from kvtool.profiles import whole_cache
+
+STAGE_WINDOWS = "window stage"
+
+
+@dataclass(frozen=True)
+class WindowChoice:
+    profile: Profile  # the shipped split
+    ppl: dict[int, float]  # window (entries) -> PPL on the prompts that chose
+    held_out: dict[int, float]  # the pick and the widest window tried -> PPL on the held-out prompts
+
+
+def ladder(profile: Profile) -> list[int]:
+    """Windows tried, widest first: the model's own (window - 1 entries), 1/2, 1/4, 128, 64, 32."""
+    native = whole_cache.native_window(profile.model)
+    rungs = [native, native // 2, native // 4, 128, 64, whole_cache.MIN_WINDOW]
+    return sorted({w for w in rungs if whole_cache.MIN_WINDOW <= w <= native} | {min(native, whole_cache.MIN_WINDOW)}, reverse=True)
+
+
+def splits(profile: Profile, budget: float, tokens: int) -> dict[int, Profile]:
+    """Every ladder window the budget can pay for, as the profile that ships it; a budget below the
+    floor is the one-line error `with_windows` gives."""
+    out, last_error = {}, None
+    for window in ladder(profile):
+        try:
+            out[window] = whole_cache.with_windows(profile, budget, window, tokens=tokens, source="calibrate")
+        except KvtoolError as exc:
+            last_error = exc
+    if not out:
+        raise last_error
+    return out
+
+
+def choose_windows(
+    model: Any, profile: Profile, budget: float, tokens: int, choosing: Sequence[PromptState],
+    confirming: Sequence[PromptState], progress: Progress,
+) -> WindowChoice:
+    """The split with the lowest PPL on `choosing` (see the module)."""
+    candidates = splits(profile, budget, tokens)
+    if len(candidates) == 1 or not choosing:
+        window, chosen = next(iter(candidates.items()))
+        return WindowChoice(chosen, {}, {})
+    windows = list(candidates)
+    profiles = [replace(candidates[w], method=replace(candidates[w].method, draft=None)) for w in windows]
+    bar = _Counter(STAGE_WINDOWS, reference_steps(choosing) * len(profiles), progress).start()
+    ppls = drafted_ppls(model, profiles, choosing, bar.step)
+    bar.finish()
+    ppl = {w: round(float(p), 4) for w, p in zip(windows, ppls)}
+    best = min(windows, key=lambda w: ppl[w])
+    held_out = {}
+    if confirming:
+        pair = [best] + ([windows[0]] if windows[0] != best else [])
+        confirm = _Counter(STAGE_WINDOWS + ", held-out", reference_steps(confirming) * len(pair), progress).start()
+        got = drafted_ppls(model, [profiles[windows.index(w)] for w in pair], confirming, confirm.step)
+        confirm.finish()
+        held_out = {w: round(float(p), 4) for w, p in zip(pair, got)}
+    return WindowChoice(candidates[best], ppl, held_out)
