@@ -31,10 +31,11 @@ class WindowChoice:
 
 
 def ladder(profile: Profile) -> list[int]:
-    """Windows tried, widest first: the model's own (window - 1 entries), 1/2, 1/4, 128, 64, 32."""
+    """Windows tried, widest first: the model's own (window - 1 entries), 1/2, 1/4, 128, 64, 32 (or a quarter of a smaller own)."""
     native = whole_cache.native_window(profile.model)
-    rungs = [native, native // 2, native // 4, 128, 64, whole_cache.MIN_WINDOW]
-    return sorted({w for w in rungs if whole_cache.MIN_WINDOW <= w <= native} | {min(native, whole_cache.MIN_WINDOW)}, reverse=True)
+    least = whole_cache.smallest_window(profile.model)
+    rungs = [native, native // 2, native // 4, 128, 64, least]
+    return sorted({w for w in rungs if least <= w <= native}, reverse=True)
 
 
 def splits(profile: Profile, budget: float, tokens: int) -> dict[int, Profile]:

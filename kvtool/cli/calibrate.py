@@ -187,6 +187,16 @@ def calibrate_command(
             "profile records the measured overhead; `kvtool inspect profile` shows it.",
         ),
     ] = "4",  # kvtool.calibrate.config.DEFAULT_MAX_PROMPT_OVERHEAD (a test keeps them equal)
+    budget_tokens: Annotated[
+        int,
+        typer.Option(
+            "--budget-tokens",
+            help="Hybrid models (sliding-window layers, e.g. Gemma 3): the prompt length at which --budget is the kept "
+            "share of the whole KV cache, each layer counted as it stores (a sliding layer at most its window). "
+            "Recorded in the profile; calibration splits the budget between shorter sliding windows and the "
+            "full-attention layers by measured PPL on prompts past the window.",
+        ),
+    ] = 4096,  # kvtool.calibrate.config.DEFAULT_BUDGET_TOKENS (a test keeps them equal)
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     choose_openmp_wait()
@@ -217,6 +227,7 @@ def calibrate_command(
         draft=draft_settings,
         draft_stage=draft_stage,
         max_prompt_overhead=overhead_limit,
+        budget_tokens=budget_tokens,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )
@@ -284,7 +295,12 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
     facts.add_column(style="bold", no_wrap=True)
     facts.add_column()
     tokens = info.prompt_tokens if info else None
-    facts.add_row("Budget", f"keeps {profile.budget:.1%} of KV entries, mean kept ratio {_mean_ratio(profile):.4f}")
+    if profile.budget_tokens is not None:
+        from kvtool.cli.inspect_cmd import whole_cache_phrase
+
+        facts.add_row("Budget", whole_cache_phrase(profile))
+    else:
+        facts.add_row("Budget", f"keeps {profile.budget:.1%} of KV entries, mean kept ratio {_mean_ratio(profile):.4f}")
     facts.add_row(
         "Retention p", f"{result.allocation.p:.4f} (each compressed layer keeps at least this share of its importance)"
     )
@@ -304,6 +320,14 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
             "Calibration PPL",
             f"full {result.truncation.ppl_full:.3f} → compressed {result.truncation.ppl_compressed:.3f}"
             f" over {result.truncation.tokens} reference tokens",
+        )
+    if result.windows is not None and result.windows.ppl:
+        tried = ", ".join(f"{w} {ppl:.3f}" for w, ppl in result.windows.ppl.items())
+        held = ", ".join(f"{w} {ppl:.3f}" for w, ppl in result.windows.held_out.items())
+        facts.add_row(
+            "Sliding windows",
+            f"entries each sliding layer keeps, PPL on the prompts that chose: {tried}"
+            + (f"; held out: {held}" if held else ""),
         )
     facts.add_row("Time", f"{result.seconds:.1f} s")
     if result.path is not None:

@@ -32,6 +32,7 @@ def result_to_dict(model_name: str, result: GenerationResult, cache_note: str) -
         "decode_tok_s": result.decode_tok_s,
         "kv_bytes": result.kv_bytes,
         "kv_bytes_full": result.kv_bytes_full,
+        "kv_bytes_by_type": {kind: {"kv_bytes": held, "kv_bytes_full": full} for kind, (held, full) in result.kv_by_type.items()},
         "total_s": result.total_s,
         "compressed": result.compressed,
     }
@@ -84,6 +85,9 @@ def render(
     table.add_row("full cache", f"{human_bytes(result.kv_bytes_full)} ({result.kv_bytes_full:,} B)")
     if result.kv_bytes_full:
         table.add_row("kept", f"{result.kv_bytes / result.kv_bytes_full:.1%} of the full cache")
+    if len(result.kv_by_type) > 1:
+        for kind, (held, full) in result.kv_by_type.items():
+            table.add_row(f"  {kind.removesuffix('_attention')} layers", f"{held / full:.1%} of {human_bytes(full)}" if full else "—")
     console.print(table)
 
 

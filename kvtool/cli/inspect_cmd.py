@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import inspect_app
-from kvtool.profiles import Profile, profile_to_dict, read_profile
+from kvtool.profiles import Profile, profile_to_dict, read_profile, whole_cache
 from kvtool.profiles.schema import WINDOW_SCORERS, CalibrationInfo, LayerProfile, draft_phrase
 
 _BAR_WIDTH = 20
@@ -80,13 +80,29 @@ def _model_rows(profile: Profile) -> list[tuple[str, str]]:
     return [("Model", f"{m.name} ({m.model_type})"), ("Shape", shape), ("Layer types", types)]
 
 
+def whole_cache_phrase(profile: Profile) -> str:
+    """A hybrid profile's budget: the whole cache's kept share at its reference length, and each layer type's."""
+    shares = whole_cache.shares(profile)
+    kinds = ", ".join(f"{kind.removesuffix('_attention')} layers {share:.1%}" for kind, share in shares.items() if kind != "all")
+    return (f"keeps {profile.budget:.1%} of the whole KV cache at {profile.budget_tokens} prompt tokens "
+            f"(measured from the layers: {shares['all']:.1%}; {kinds})")
+
+
 def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
     compressed = [layer.ratio for layer in profile.layers if layer.compress]
     mean = f"{sum(compressed) / len(compressed):.3f}" if compressed else _MISSING
-    return [
-        ("Budget", f"keeps {profile.budget:.1%} of KV entries (evicts {1 - profile.budget:.1%})"),
+    budget = (whole_cache_phrase(profile) if profile.budget_tokens is not None
+              else f"keeps {profile.budget:.1%} of KV entries (evicts {1 - profile.budget:.1%})")
+    rows = [
+        ("Budget", budget),
         ("Kept ratios", f"mean {mean} over {len(compressed)} compressed of {len(profile.layers)} layers"),
     ]
+    windows = sorted({(layer.window, layer.sinks) for layer in profile.layers if layer.window is not None})
+    if windows:
+        shaped = sum(1 for layer in profile.layers if layer.window is not None)
+        rows.append(("Windows", ", ".join(f"{w} entries ({s} sinks + {w - s} recent)" for w, s in windows)
+                     + f" in {shaped} window-shaped layers (sliding layers given a shorter window)"))
+    return rows
 
 
 def _method_rows(profile: Profile) -> list[tuple[str, str]]:
@@ -136,6 +152,9 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
         if info.held_out_ppl_full is not None:
             held += f" (full cache PPL there {info.held_out_ppl_full:.3f})"
         rows.append(("Recipe search", f"{len(info.recipes or ())} recipes tried on {info.chosen_on} prompts{held}"))
+    if info.window_ppl:
+        tried = ", ".join(f"{w}: {ppl:.3f}" for w, ppl in info.window_ppl.items())
+        rows.append(("Window PPL", f"sliding-layer window (entries) tried: {tried}"))
     if info.prompt_overhead is not None:
         limit = f" (limit {info.max_prompt_overhead:g}x)" if info.max_prompt_overhead is not None else " (no limit)"
         rows.append(("Prompt phase", f"{info.prompt_overhead:.2f}x the full cache's, measured on the calibration prompts{limit}"))
@@ -162,19 +181,20 @@ def layer_table(profile: Profile) -> Table:
     types = profile.model.layer_types
     for index, layer in enumerate(profile.layers):
         kind = types[index] if index < len(types) else ""
-        table.add_row(*_layer_cells(index, kind, layer), style=None if layer.compress else "dim")
+        table.add_row(*_layer_cells(index, kind, layer), style=None if layer.compress or layer.window else "dim")
     return table
 
 
 def _layer_cells(index: int, kind: str, layer: LayerProfile) -> list[str | Text]:
+    kept = f"{layer.ratio:.3f}" if layer.window is None else f"window {layer.window}"
     return [
         str(index),
         Text(kind.removesuffix("_attention") or _MISSING),
-        f"{layer.ratio:.3f}",
-        Text(ratio_bar(layer.ratio), style="cyan"),
+        kept,
+        Text(ratio_bar(layer.ratio) if layer.window is None else "", style="cyan"),
         _fmt(layer.gini, ".3f"),
         _fmt(layer.ratio_std, ".3f", prefix="±"),
-        "yes" if layer.compress else "no",
+        "yes" if layer.compress or layer.window is not None else "no",
     ]
 
 

@@ -44,6 +44,11 @@ def native_window(fingerprint: ModelFingerprint) -> int:
     return int(fingerprint.sliding_window) - 1
 
 
+def smallest_window(fingerprint: ModelFingerprint) -> int:
+    """The shortest window kvtool gives a sliding layer: MIN_WINDOW, or a quarter of a smaller model's own."""
+    return min(MIN_WINDOW, max(2, native_window(fingerprint) // 4))
+
+
 def stored(kind: str, tokens: int, fingerprint: ModelFingerprint) -> int:
     """Entries the full cache's layer of `kind` holds after `tokens` tokens."""
     return min(tokens, native_window(fingerprint)) if kind == SLIDING_ATTENTION and is_hybrid(fingerprint) else tokens
@@ -91,7 +96,7 @@ def floor(fingerprint: ModelFingerprint, tokens: int) -> float:
     """The smallest whole-cache budget kvtool reaches at `tokens`: every sliding layer at MIN_WINDOW,
     every full one at MIN_RATIO."""
     total = sum(stored(kind, tokens, fingerprint) for kind in fingerprint.layer_types)
-    smallest = min(MIN_WINDOW, native_window(fingerprint)) if is_hybrid(fingerprint) else MIN_WINDOW
+    smallest = smallest_window(fingerprint) if is_hybrid(fingerprint) else MIN_WINDOW
     least = sum(
         min(tokens, smallest) if kind == SLIDING_ATTENTION else max(1, math.ceil(MIN_RATIO * tokens))
         for kind in fingerprint.layer_types
@@ -118,11 +123,19 @@ def with_windows(profile: Profile, budget: float, window: int | None, *, tokens:
     shaped = dataclasses.replace(profile, layers=tuple(layers))
     share = global_budget(shaped, budget, tokens)
     least = floor(model, tokens)
+    if budget < least - 1e-12:
+        raise KvtoolError(
+            f"{source}: budget {budget:g} is below what kvtool keeps of this model's cache at {tokens} tokens "
+            f"(floor {least:.3f}: sliding windows of {smallest_window(model)}, full-attention layers at {MIN_RATIO:g})"
+        )
+    if not any(layer.compress for layer in layers):
+        # Every layer slides (Mistral-style): the windows are the budget, to a whole entry.
+        return dataclasses.replace(shaped, budget=budget, budget_tokens=tokens)
     if share < MIN_RATIO - 1e-12:
         if budget < least:
             raise KvtoolError(
                 f"{source}: budget {budget:g} is below what kvtool keeps of this model's cache at {tokens} tokens "
-                f"(floor {least:.3f}: sliding windows of {MIN_WINDOW}, full-attention layers at {MIN_RATIO:g})"
+                f"(floor {least:.3f}: sliding windows of {smallest_window(model)}, full-attention layers at {MIN_RATIO:g})"
             )
         raise KvtoolError(
             f"{source}: sliding windows of {window if window is not None else native} leave the full-attention layers "
@@ -136,5 +149,5 @@ def with_windows(profile: Profile, budget: float, window: int | None, *, tokens:
 def uniform_window(budget: float, fingerprint: ModelFingerprint) -> int | None:
     """The window that keeps `budget` of a sliding layer once it is full (None at budget 1: its own)."""
     native = native_window(fingerprint)
-    window = max(MIN_WINDOW, math.ceil(budget * native - 1e-9))
+    window = max(smallest_window(fingerprint), math.ceil(budget * native - 1e-9))
     return None if window >= native else window

@@ -98,7 +98,7 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
     window = whole_cache.uniform_window(budget, fingerprint)
     shaped = whole_cache.with_windows(
         dataclasses.replace(profile, method=dataclasses.replace(profile.method, ratios="uniform")), budget, window,
-        tokens=tokens, source=f"budget {budget:g}",
+        tokens=tokens, source="uniform profile",
     )
     return dataclasses.replace(shaped, method=profile.method)
 
@@ -262,12 +262,36 @@ def _check_fits(profile: Profile, model) -> None:
         )
 
 
+SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def check_supported(model) -> None:
+    """One-line KvtoolError for attention kvtool's function would compute differently from the model's
+    own: it runs softmax(q k^T * scale + mask) v, so learned sink logits (gpt-oss), logit soft-capping
+    (Gemma 2) and layer types other than full and sliding-window attention (Llama 4's chunked layers)
+    are refused rather than run silently wrong."""
+    fingerprint = fingerprint_of(model)
+    other = sorted(set(fingerprint.layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if other:
+        raise KvtoolError(
+            f"{fingerprint.model_type}: kvtool compresses full-attention and sliding-window layers; this model has "
+            f"{', '.join(other)} layers, which it does not support"
+        )
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise KvtoolError(f"{fingerprint.model_type}: attention logit soft-capping is not supported by kvtool's attention")
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        raise KvtoolError(f"{fingerprint.model_type}: learned attention sinks (gpt-oss) are not supported by kvtool's attention")
+
+
 def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
-    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model.
+    """Switch `model` to kvtool attention for `profile`; refuses a profile made for another model and
+    attention kvtool does not compute (`check_supported`).
 
     `min_kept` > 0 lets every compressing layer keep at least that many entries per sequence (all of
     a shorter one): a floor for short prompts, above the budget only while ratio * T is below it."""
     _check_fits(profile, model)
+    check_supported(model)
     plans = layer_plans(profile, min_kept)
     name = attention.register()
     previous = _implementations(model)

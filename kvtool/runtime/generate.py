@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -14,7 +14,8 @@ from kvtool.models.loader import eos_token_ids
 from kvtool.models.prompts import format_prompts
 from kvtool.profiles import Draft
 from kvtool.runtime import draft as drafting
-from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.profiles import fingerprint_of
+from kvtool.runtime.memory import kv_bytes, kv_bytes_by_type, kv_bytes_full
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class GenerationResult:
     kv_bytes_full: int
     total_s: float
     compressed: bool = True
+    # Per layer type: (bytes held, bytes a plain cache would hold); one entry for a model of one type.
+    kv_by_type: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class _StepClock(StoppingCriteria):
@@ -137,4 +140,5 @@ def generate(
         kv_bytes_full=kv_bytes_full(cache),
         total_s=finished - started,
         compressed=not type(cache) is DynamicCache,
+        kv_by_type=kv_bytes_by_type(cache, fingerprint_of(model).layer_types),
     )

@@ -40,6 +40,16 @@ def kv_bytes_full(cache: Any) -> int:
     return sum(layer_full_bytes(layer) for layer in cache.layers)
 
 
+def kv_bytes_by_type(cache: Any, layer_types: Any) -> dict[str, tuple[int, int]]:
+    """Per layer type ("full_attention", "sliding_attention", ...): (bytes held, bytes a plain cache
+    would hold), so a hybrid model's report shows where the memory went."""
+    out: dict[str, tuple[int, int]] = {}
+    for kind, layer in zip(layer_types, cache.layers):
+        held, full = out.get(kind, (0, 0))
+        out[kind] = (held + layer_bytes(layer), full + layer_full_bytes(layer))
+    return out
+
+
 # A prompt whose whole KV cache is below this share of the model's weights is left uncompressed:
 # compression could save at most that share of the memory, and scoring and a draft would cost more
 # time than the answer itself (`kvtool generate smollm2 "Name three colours."`: docs/results.md).
