@@ -243,15 +243,79 @@ def test_a_draft_cannot_be_set_late(llama):
         KvtoolCache(llama.config, rules_plans(profile)).set_draft(-1)
 
 
-def test_hybrid_models_are_refused_in_one_line():
-    gemma = tiny_gemma3()
-    profile = profile_with(gemma, 0.5)
+def windowed_gemma_profile(gemma, draft=None):
+    """Tiny Gemma 3 with its sliding layers window-shaped (4 entries, 1 sink) and its full layers at 0.5."""
+    import dataclasses
+
+    base = profile_with(gemma, 0.5)
+    layers = tuple(
+        dataclasses.replace(layer, window=4, sinks=1, compress=False, ratio=1.0) if kind == "sliding_attention" else layer
+        for kind, layer in zip(base.model.layer_types, base.layers)
+    )
+    return dataclasses.replace(base, layers=layers, method=dataclasses.replace(base.method, draft=draft))
+
+
+def test_hybrid_models_draft_through_every_layer():
+    """A profile with a draft makes every sliding layer kvtool's (its own window, or the profile's), so the
+    draft's rows leave no layer; without a draft the sliding layers that keep their window stay transformers'."""
     from kvtool.runtime.attach import layer_plans
 
-    cache = KvtoolCache(gemma.config, layer_plans(profile))
+    gemma = tiny_gemma3()
+    plain = profile_with(gemma, 0.5)
+    cache = KvtoolCache(gemma.config, layer_plans(plain))
     with pytest.raises(KvtoolError, match="every layer to be a kvtool layer"):
         cache.set_draft(4)
     cache.set_draft(0)  # no draft: nothing to refuse
+    import dataclasses
+
+    drafted_profile = dataclasses.replace(plain, method=dataclasses.replace(plain.method, draft=Draft(K)))
+    plans = layer_plans(drafted_profile)
+    assert [plan.cap for plan in plans] == [7, None, 7, None]  # the model's own window - 1
+    KvtoolCache(gemma.config, plans).set_draft(4)
+
+
+def test_hybrid_draft_rows_read_the_held_prompt_as_the_appended_forward():
+    from kvtool.runtime.attach import layer_plans
+    from kvtool.runtime.draft import draft_logits
+    from kvtool.runtime.held import HeldCache
+    from kvtool.runtime.steps import prompt_logits
+
+    gemma = tiny_gemma3()
+    profile = windowed_gemma_profile(gemma)
+    batch = left_pad([s.tolist() for s in prompts([33, 21], seed=9)], (0, 1), 0)
+    draft = torch.randint(3, 90, (2, K), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), attach(gemma, profile):
+        cache = KvtoolCache(gemma.config, layer_plans(profile))
+        cache.hold_prompt()
+        prompt_forward(gemma, batch, cache)
+        held = draft_logits(gemma, batch, draft, HeldCache(gemma.config, cache.take_held()), K)
+        appended = prompt_logits(gemma, with_draft(batch, draft), DynamicCache(config=gemma.config), K)
+    assert (held - appended).abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_hybrid_padded_batch_equals_single_runs_with_a_draft(rounds):
+    from kvtool.runtime.attach import layer_plans
+
+    gemma = tiny_gemma3()
+    profile = windowed_gemma_profile(gemma)
+    plans = layer_plans(profile)
+    seqs = [s.tolist() for s in prompts([61, 37, 50], seed=3)]
+    forced = torch.randint(3, 90, (3, 24), generator=torch.Generator().manual_seed(2))
+    make = lambda: KvtoolCache(gemma.config, plans)  # noqa: E731
+    with torch.no_grad(), attach(gemma, profile):
+        batch = left_pad(seqs, (0, 1, 2), 0)
+        cache, first = draft_prompt_forward(gemma, batch, make, K, rounds)
+        together = forced_logits(gemma, cache, first, batch, forced)
+        for i, seq in enumerate(seqs):
+            alone_batch = left_pad([seq], (i,), 0)
+            alone_cache, alone_first = draft_prompt_forward(gemma, alone_batch, make, K, rounds)
+            alone = forced_logits(gemma, alone_cache, alone_first, alone_batch, forced[i : i + 1])
+            assert max((a[0] - b[i]).abs().max().item() for a, b in zip(alone, together)) < 1e-6, f"sequence {i}"
+    for index, layer in cache.compressing_layers().items():
+        assert (layer.kept == layer.plan.keep(layer.tokens)).all()
+        if layer.plan.cap is not None:
+            assert layer.kept.max() == 4
 
 
 @pytest.mark.parametrize("rounds", [1, 2])

@@ -33,7 +33,6 @@ from kvtool.data.long_prompts import long_prompts
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
-from kvtool.profiles.fingerprint import FULL_ATTENTION
 from kvtool.scoring import encode_batches
 
 
@@ -153,8 +152,7 @@ def calibrate(
         """Whose Lorenz curves give `settings`' ratios (uniform ratios report attention-sum's)."""
         return scorer_key(settings) if settings.ratios == "scorer" else "attention-sum"
 
-    # A hybrid model's sliding-window layers are transformers' own and would keep the draft's rows.
-    draft = config.draft if all(kind == FULL_ATTENTION for kind in fingerprint.layer_types) else None
+    draft = config.draft
 
     def profile_for(settings: MethodSettings) -> Profile:
         """The profile of `settings` with the ratios its `ratios` source gives (and the run's draft)."""

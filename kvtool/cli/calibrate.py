@@ -173,8 +173,7 @@ def calibrate_command(
             "round's full-attention predictions, not new steps through the cache: half the steps of 2 rounds, "
             "less kept), 'stage' (after the search, measure its pick and the recipes one "
             "generation rule or ratio source away with the draft and ship the best if the held-out prompts agree; "
-            "minutes more, the built-in profiles are made with it). Omitted parts keep the default's. Hybrid models "
-            "(sliding-window layers) get none.",
+            "minutes more, the built-in profiles are made with it). Omitted parts keep the default's.",
         ),
     ] = DRAFT_DEFAULT,
     max_prompt_overhead: Annotated[

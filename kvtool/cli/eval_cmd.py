@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from pathlib import Path
@@ -81,6 +83,17 @@ def eval_command(
     ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
+    per_kind: Annotated[
+        int, typer.Option("--per-kind", min=0, help="Only the first N prompts of each kind (0: all).")
+    ] = 0,
+    long_prompts: Annotated[
+        int,
+        typer.Option(
+            "--long-prompts", min=0,
+            help="Put each prompt in the middle of the set's other (text) prompts, about N tokens in all: long-context "
+            "prompts from the same texts (0: as they are). Prompts are then cut only past 2N tokens.",
+        ),
+    ] = 0,
 ) -> None:
     """Score methods x budgets with the papers' protocol: PPL of the references teacher-forced through
     the compressed cache (eviction active), ROUGE-L of the compressed greedy output against the full
@@ -97,6 +110,15 @@ def eval_command(
         get_method(name)
     config = EvalConfig(tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens, score_from).checked()
     records = load_jsonl(data) if data is not None else None
+    if per_kind or long_prompts:
+        from kvtool.data import EVALUATION_DATA, packaged_data
+        from kvtool.data.long_prompts import first_per_kind, long_prompts as make_long
+
+        pool = records if records is not None else load_jsonl(packaged_data(EVALUATION_DATA))
+        records = first_per_kind(pool, per_kind) if per_kind else pool
+        if long_prompts:
+            records = make_long(records, pool, long_prompts)
+            config = dataclasses.replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * long_prompts))
     if profile is not None:
         load_profile(profile)  # a bad file fails now, not after the full-cache pass
     if plot is not None:
@@ -112,8 +134,13 @@ def eval_command(
             model, data=records, profile=profile, config=config, progress=bars,
             notify=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True),
         )
-    if data is not None:
-        report = _with_data_name(report, str(data))
+    if data is not None or per_kind or long_prompts:
+        name = str(data) if data is not None else "the packaged evaluation prompts"
+        if per_kind:
+            name += f", the first {per_kind} of each kind"
+        if long_prompts:
+            name += f", each amid the others (~{long_prompts} tokens)"
+        report = _with_data_name(report, name)
     render(Console(), report)
     if json_out is not None:
         write_text_atomic(json_out, json.dumps(report.to_dict(), indent=2) + "\n", "JSON")

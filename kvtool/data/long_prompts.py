@@ -37,3 +37,14 @@ def long_prompts(chosen: Sequence[Record], pool: Sequence[Record], tokens: int, 
         text = "\n\n".join([*before, record.prompt, *after])
         out.append(replace(record, prompt=text, where=f"{record.where} (in a long prompt)"))
     return tuple(out)
+
+
+def first_per_kind(records: Sequence[Record], count: int) -> tuple[Record, ...]:
+    """The first `count` records of each kind, in file order (a shorter run over every kind)."""
+    seen: dict[str | None, int] = {}
+    out = []
+    for record in records:
+        if seen.get(record.kind, 0) < count:
+            seen[record.kind] = seen.get(record.kind, 0) + 1
+            out.append(record)
+    return tuple(out)
