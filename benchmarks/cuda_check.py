@@ -34,7 +34,7 @@ from kvtool.models import load_model, use_offline_defaults
 
 use_offline_defaults()  # before the imports below load transformers, which reads them once
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvtool.bench import BenchConfig, bench_dict, long_prompts, run_bench  # noqa: E402
 from kvtool.models.forward import with_cache  # noqa: E402
@@ -54,6 +54,61 @@ def tiny_llama(device: torch.device) -> LlamaForCausalLM:
         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     return LlamaForCausalLM(config).to(device=device, dtype=torch.float64).eval()
+
+
+def tiny_gemma3(device: torch.device) -> Gemma3ForCausalLM:
+    """A hybrid model: sliding-window layers (window 8) beside full ones, QK-norm, two RoPE bases."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=512, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = Gemma3ForCausalLM(config).to(device=device, dtype=torch.float64).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def hybrid_profile(model, shipped):
+    """The shipped recipe (its draft included) on the hybrid model: sliding layers window-shaped (4
+    entries, 1 sink), full layers at 0.3."""
+    import dataclasses
+
+    base = uniform_profile(model, 0.3, shipped.method)
+    layers = tuple(
+        dataclasses.replace(layer, window=4, sinks=1, compress=False, ratio=1.0) if kind == "sliding_attention" else layer
+        for kind, layer in zip(base.model.layer_types, base.layers)
+    )
+    return dataclasses.replace(base, layers=layers)
+
+
+def hybrid_exactness(device: torch.device, shipped) -> dict:
+    """Gemma 3's shape (sliding windows made shorter, the draft through every layer): the same
+    checks as the Llama's, with the fused step where the device has one."""
+    model = tiny_gemma3(device)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (61, 37, 50)]
+    profile = hybrid_profile(model, shipped)
+    results = {}
+    with torch.no_grad():
+        with attach(model, profile) as handle:
+            batch = handle.generate(**padded(seqs, device), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            same = True
+            for row, seq in enumerate(seqs):
+                alone = handle.generate(**padded([seq], device), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+                alone = alone[0, len(seq):]
+                same &= bool(torch.equal(alone, batch[row, -NEW:][: len(alone)]))
+        results["gemma3 hybrid, windows: padded batch == single runs (with the draft)"] = same
+        results["gemma3 hybrid, windows: CUDA-graph decode == eager decode"] = graph_decode_matches(model, profile, padded(seqs, device))
+        results["gemma3 hybrid, windows: generate through the CUDA graph == transformers' loop"] = graphed_generate_matches(
+            model, profile, padded(seqs, device)
+        )
+        if device.type == "cuda":
+            results["gemma3 hybrid, windows: fused step (float32, CUDA graph) == eager (float64)"] = fused_step_matches(
+                model, profile, padded(seqs, device)
+            )
+    return results
 
 
 def padded(seqs: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -102,6 +157,7 @@ def exactness(device: torch.device, shipped) -> dict:
             results["kvtool (shipped recipe): decode through the fused step (float32, CUDA graph) == eager (float64)"] = (
                 fused_step_matches(model, draft_profile, padded(seqs, device))
             )
+    results.update(hybrid_exactness(device, shipped))
     return results
 
 

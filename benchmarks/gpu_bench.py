@@ -73,7 +73,7 @@ from kvtool.models import use_offline_defaults
 
 use_offline_defaults()  # before transformers is imported: it reads them once
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvtool.bench import measure  # noqa: E402
 from kvtool.bench.measure import RunResult, run_once, truncate_like  # noqa: E402
@@ -101,6 +101,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, rope_theta=1e5, max_position_embeddings=8192,
         rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    # Gemma-3-12B: a hybrid, 5 sliding-window layers (window 1024) to each global one, 16 query / 8 KV
+    # heads of dim 256; kvtool's uniform profile gives each sliding layer a window of the budget's share.
+    "gemma3-12b": dict(
+        family="gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+        max_position_embeddings=131072, rms_norm_eps=1e-6,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+    ),
+    # A CPU smoke run of the hybrid path.
+    "tiny-gemma3": dict(
+        family="gemma3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64, max_position_embeddings=8192,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     ),
     # A CPU smoke run of the script itself.
     "tiny": dict(
@@ -160,9 +174,12 @@ def build_model(shape: str, device: torch.device) -> LlamaForCausalLM:
     """A random-weight LlamaForCausalLM of `shape`, made on `device` (bf16 on a GPU, float32 on a CPU), sdpa attention."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields = dict(SHAPES[shape])
+    family = fields.pop("family", "llama")
+    config_cls, model_cls = (Gemma3TextConfig, Gemma3ForCausalLM) if family == "gemma3" else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = model_cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 

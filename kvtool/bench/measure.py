@@ -188,12 +188,12 @@ def truncate_like(cache: Any, plans: Sequence[LayerPlan | None]) -> None:
     """Cut each compressing layer of a plain cache to the entries kvtool keeps there after the prompt.
 
     Layer l keeps its first ceil(R_l * n) entries (n = prompt length): the same shapes as the kvtool
-    cache, with no scoring and no merging. Layers kvtool leaves alone (plan None, e.g. sliding-window
-    layers) and layers at ratio 1 stay untouched.
+    cache, with no scoring and no merging. Sliding-window layers (whose mask follows the tokens they
+    have seen), layers kvtool leaves alone (plan None) and layers at ratio 1 stay untouched.
     """
     for layer, plan in zip(cache.layers, plans):
-        if plan is None or not plan.compresses or getattr(layer, "keys", None) is None:
-            continue
+        if plan is None or not plan.compresses or plan.native_window is not None or getattr(layer, "keys", None) is None:
+            continue  # a sliding layer stays transformers' own: its mask follows the tokens it has seen
         n = int(layer.keys.shape[-2])
         keep = int(plan.keep(np.array([n]))[0])
         layer.keys = layer.keys[:, :, :keep].contiguous()

@@ -91,6 +91,8 @@ def _attend(
                 scores = prompt_scores(query, key, attention_mask, scaling, request)
         layer.compress_prompt(attention_mask, scores)
         return out
+    # A window-shaped layer holds its window itself: the step attends to every entry it holds.
+    kwargs.pop("sliding_window", None)
     if layer.step_token is not None:  # fixed slots stepping through triton_step
         if _plain_softmax_attention(dropout, kwargs):
             return layer.fused_step(query, scaling), None
