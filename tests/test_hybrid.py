@@ -237,3 +237,18 @@ def test_whole_cache_split_solves_the_full_layers_and_refuses_below_the_floor():
     # The floor: sliding layers at their smallest window (2: a quarter of their own 7, at least 2),
     # full layers at 2%.
     assert abs(whole_cache.floor(gemma.model, 100) - (2 * 2 + 2 * 2) / 214) < 1e-12
+
+
+def test_a_hybrid_profile_rebudgets_the_whole_cache():
+    """Another budget keeps the calibrated split in proportion: windows scaled, full layers solved."""
+    from kvtool.profiles.budget import rebudget
+
+    gemma = uniform_profile(tiny_gemma3(), 1.0)
+    gemma = dataclasses.replace(gemma, method=dataclasses.replace(gemma.method, ratios="uniform"))
+    at_03 = whole_cache.with_windows(gemma, 0.3, 4, tokens=100, sinks=1)
+    at_05, _ = rebudget(at_03, 0.5)
+    assert at_05.budget == 0.5 and at_05.budget_tokens == 100
+    assert whole_cache.profile_window(at_05) is None  # 4 * 0.5 / 0.3 -> 7, the model's own
+    assert abs(whole_cache.shares(at_05)["all"] - 0.5) < 0.01
+    at_01, _ = rebudget(at_03, 0.12)
+    assert whole_cache.profile_window(at_01) == 2 and abs(whole_cache.shares(at_01)["all"] - 0.12) < 0.01

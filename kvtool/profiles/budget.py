@@ -56,6 +56,14 @@ def rebudget(
     `retention_p` is the new level.
     """
     new_budget = check_budget(budget)
+    if profile.budget_tokens is not None:
+        from kvtool.profiles import whole_cache  # it builds on this module
+
+        if whole_cache.is_hybrid(profile.model):
+            updated = whole_cache.rebudget_whole(profile, new_budget, source, importance_curves)
+            full = [layer.ratio for layer in updated.layers if layer.compress]
+            p = updated.calibration.retention_p if updated.calibration and updated.calibration.retention_p else float("nan")
+            return updated, Allocation(p=p, ratios=np.array(full), iterations=0)
     compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
     if profile.method.ratios == "uniform" and not importance_curves:
         return _uniform(profile, new_budget, compress)

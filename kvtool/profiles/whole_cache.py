@@ -105,10 +105,11 @@ def floor(fingerprint: ModelFingerprint, tokens: int) -> float:
 
 
 def with_windows(profile: Profile, budget: float, window: int | None, *, tokens: int, sinks: int = WINDOW_SINKS,
-                 source: str = "profile") -> Profile:
+                 source: str = "profile", importance_curves: bool = False) -> Profile:
     """`profile` at whole-cache `budget`: every sliding layer window-shaped at `window` entries (None:
     the model's own), the full-attention layers' ratios re-derived for what is left (from the stored
-    curves, or uniform). A split the budget cannot pay for is a one-line error naming the floor."""
+    curves, or uniform; `importance_curves` as in `rebudget`). A split the budget cannot pay for is a
+    one-line error naming the floor."""
     model = profile.model
     native = native_window(model)
     if window is not None and not (1 <= window <= native):
@@ -142,8 +143,36 @@ def with_windows(profile: Profile, budget: float, window: int | None, *, tokens:
             f"{max(share, 0.0):.3f} of their entries at budget {budget:g} and {tokens} tokens; give the windows less"
         )
     if any(layer.compress for layer in layers):
-        shaped, _ = rebudget(shaped, min(share, 1.0), source=source)
+        plain = dataclasses.replace(shaped, budget_tokens=None)  # the full layers' mean ratio, as on any model
+        shaped, _ = rebudget(plain, min(share, 1.0), source=source, importance_curves=importance_curves)
     return dataclasses.replace(shaped, budget=budget, budget_tokens=tokens)
+
+
+def profile_window(profile: Profile) -> int | None:
+    """The window a profile gives its sliding layers (None: the model's own)."""
+    return next((layer.window for kind, layer in zip(profile.model.layer_types, profile.layers)
+                 if kind == SLIDING_ATTENTION and layer.window is not None), None)
+
+
+def rebudget_whole(profile: Profile, budget: float, source: str = "profile", importance_curves: bool = False) -> Profile:
+    """A hybrid profile at another whole-cache budget: its windows scaled by the budgets' ratio (the
+    split calibration chose, kept in proportion; the model's own window at most), narrowed down to
+    the smallest where the full layers would fall under their floor, the full layers' ratios solved
+    for the rest at the profile's reference length."""
+    tokens = profile.budget_tokens or DEFAULT_BUDGET_TOKENS
+    native, least = native_window(profile.model), smallest_window(profile.model)
+    window = profile_window(profile) or native
+    sinks = next((layer.sinks for layer in profile.layers if layer.window is not None), None)
+    scaled = max(least, min(native, math.ceil(window * budget / profile.budget - 1e-9)))
+    tried = sorted({scaled, *[w for w in (native // 2, native // 4, least) if w < scaled]}, reverse=True)
+    error = None
+    for candidate in tried:
+        try:
+            return with_windows(profile, budget, candidate, tokens=tokens, sinks=WINDOW_SINKS if sinks is None else sinks,
+                                source=source, importance_curves=importance_curves)
+        except KvtoolError as exc:
+            error = exc
+    raise error
 
 
 def uniform_window(budget: float, fingerprint: ModelFingerprint) -> int | None:
