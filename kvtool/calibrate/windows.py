@@ -3,7 +3,7 @@
 A sliding-window layer can keep a shorter window (its first tokens and the most recent ones, what
 engines accept per layer) and every entry it gives up goes to the full-attention layers
 (`profiles.whole_cache`). Which split loses least is measured, not assumed: every window of a ladder
-(the model's own, half and a quarter of it, 128, 64, 32) whose split the budget can pay for is run
+(the model's own, half and a quarter of it, 64, 32) whose split the budget can pay for is run
 as it will ship, its prompt forward and the references teacher-forced through the cache, on the
 prompts that chose the recipe; the lowest PPL wins, and the held-out prompts report it beside the
 model's own windows' (or the widest that fits).
@@ -31,10 +31,10 @@ class WindowChoice:
 
 
 def ladder(profile: Profile) -> list[int]:
-    """Windows tried, widest first: the model's own (window - 1 entries), 1/2, 1/4, 128, 64, 32 (or a quarter of a smaller own)."""
+    """Windows tried, widest first: the model's own (window - 1 entries), 1/2, 1/4, 64, 32 (or a quarter of a smaller own)."""
     native = whole_cache.native_window(profile.model)
     least = whole_cache.smallest_window(profile.model)
-    rungs = [native, native // 2, native // 4, 128, 64, least]
+    rungs = [native, native // 2, native // 4, 64, least]
     return sorted({w for w in rungs if least <= w <= native}, reverse=True)
 
 

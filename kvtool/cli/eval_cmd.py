@@ -205,6 +205,11 @@ def render(console: Console, report: EvalReport) -> None:
         + (f" PPL, top-1 and ROUGE-L leave out the first {report.score_from} tokens." if report.score_from else ""),
         soft_wrap=True,
     )
+    by_type = [r for r in report.results if r.kv_fraction_by_type]
+    if by_type:
+        console.print("KV kept by layer type (hybrid model): " + "; ".join(
+            f"{r.method} at {r.budget:g}: " + ", ".join(f"{k.removesuffix('_attention')} {v:.1%}" for k, v in r.kv_fraction_by_type.items())
+            for r in by_type), soft_wrap=True)
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)
 
 

@@ -68,6 +68,8 @@ class MethodResult:
     # Per prompt, how many of the greedy output's first tokens came from the verified prefix (the
     # full cache's own greedy tokens, read off the draft's forward); empty without verification.
     verified_per_prompt: tuple[int, ...] = ()
+    # Hybrid models: kv_fraction of each layer type ("sliding_attention", "full_attention"); empty for one type.
+    kv_fraction_by_type: dict[str, float] = field(default_factory=dict)
 
     @property
     def rouge_l_sem(self) -> float:
@@ -131,7 +133,9 @@ class EvalReport:
             "results": [
                 {
                     "method": r.method, "budget": r.budget, "ppl": r.ppl, "rouge_l": r.rouge_l,
-                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction), "draft": r.draft, "draft_rounds": r.draft_rounds,
+                    "kv_fraction": r.kv_fraction, "kv_peak_fraction": _finite(r.kv_peak_fraction),
+                    **({"kv_fraction_by_type": r.kv_fraction_by_type} if r.kv_fraction_by_type else {}),
+                    "draft": r.draft, "draft_rounds": r.draft_rounds,
                     "draft_verify": r.draft_verify, "draft_jacobi": r.draft_jacobi, "verified_per_prompt": list(r.verified_per_prompt),
                     "rouge_l_sem": _finite(r.rouge_l_sem),
                     "rouge_l_per_prompt": list(r.rouge_l_per_prompt),

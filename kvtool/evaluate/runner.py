@@ -37,7 +37,8 @@ from kvtool.profiles import MethodSettings, Profile
 from kvtool.profiles.budget import check_budget
 from kvtool.runtime import attach
 from kvtool.runtime.draft import prepare
-from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.profiles import fingerprint_of
+from kvtool.runtime.memory import kv_bytes, kv_bytes_by_type, kv_bytes_full
 from kvtool.runtime.methods import get_method, method_profile
 from kvtool.scoring import (
     Batch,
@@ -212,6 +213,8 @@ class _Evaluation:
 
     def method_pass(self, profile: Profile, method: str, budget: float, targets: list[_BatchTargets], tick: Callable[[], None]) -> MethodResult:
         nll, kept, peak, full = NllTotal(), 0, 0, 0
+        by_type: dict[str, list[int]] = {}
+        kinds = fingerprint_of(self.model).layer_types
         per_prompt = _PerPrompt(len(self.records))
         verified = [0] * len(self.records)
         draft = profile.method.draft
@@ -238,6 +241,10 @@ class _Evaluation:
                 kept += largest[-1]
                 peak += max(largest)
                 full += kv_bytes_full(greedy_cache)
+                for kind, (held, whole) in kv_bytes_by_type(greedy_cache, kinds).items():
+                    sums = by_type.setdefault(kind, [0, 0])
+                    sums[0] += held
+                    sums[1] += whole
                 texts = self._scored_texts(greedy, target.batch.rows, per_prompt)
                 for row, text, target_text in zip(target.batch.rows, texts, target.full_texts):
                     per_prompt.rouge_l[row] = rouge_l_f1(text, target_text)
@@ -251,6 +258,7 @@ class _Evaluation:
             draft_jacobi=bool(draft and draft.jacobi and draft.rounds > 1),
             verified_per_prompt=tuple(verified) if draft and draft.verify else (),
             per_prompt=per_prompt.scores(),
+            kv_fraction_by_type={kind: held / whole for kind, (held, whole) in by_type.items() if whole} if len(by_type) > 1 else {},
         )
 
 
