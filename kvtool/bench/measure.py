@@ -34,7 +34,8 @@ from kvtool.runtime.draft import prepare
 from kvtool.runtime.graphed import Decoder
 from kvtool.runtime.importance import BlockTuning, tune_blocks
 from kvtool.runtime.layer import LayerPlan
-from kvtool.runtime.memory import kv_bytes
+from kvtool.profiles import fingerprint_of
+from kvtool.runtime.memory import kv_bytes, kv_bytes_by_type
 from kvtool.runtime.row_groups import rows_at_once
 from kvtool.runtime.steps import Prompt
 
@@ -64,6 +65,7 @@ class RunResult:
     kv_slots: tuple[int, ...]
     peak_memory_bytes: int
     prompt_peak_memory_bytes: int
+    kv_by_type: dict[str, int] = field(default_factory=dict)  # bytes held per layer type (hybrid models)
 
     @property
     def decode_tok_s(self) -> float:
@@ -140,6 +142,14 @@ class BenchResult:
     @property
     def kv_fraction(self) -> float:
         return self.compressed.kv_bytes / self.full.kv_bytes
+
+    @property
+    def kv_fraction_by_type(self) -> dict[str, float]:
+        """Per layer type, kvtool's KV bytes over the full cache's (empty for a model of one type)."""
+        full, kept = self.full.runs[0].kv_by_type, self.compressed.runs[0].kv_by_type
+        if len(full) < 2:
+            return {}
+        return {kind: kept.get(kind, 0) / held for kind, held in full.items() if held}
 
 
 # Decode steps per turn of the side-by-side decode: the three caches alternate every few seconds,
@@ -238,6 +248,7 @@ def run_once(
         new_tokens=new_tokens,
         kv_bytes=kv_bytes(state.cache),
         kv_slots=layer_slots(state.cache),
+        kv_by_type={kind: held for kind, (held, _) in kv_bytes_by_type(state.cache, fingerprint_of(model).layer_types).items()},
         peak_memory_bytes=peak.bytes,
         prompt_peak_memory_bytes=prompt_peak,
     )

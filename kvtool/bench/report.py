@@ -55,6 +55,7 @@ def bench_dict(result: BenchResult, *, model: str, profile_note: str) -> dict[st
         "decode_speedup_ceiling": result.decode_speedup_ceiling,
         "prefill_ratio": result.prefill_ratio,
         "kv_fraction": result.kv_fraction,
+        **({"kv_fraction_by_type": result.kv_fraction_by_type} if result.kv_fraction_by_type else {}),
         "side_by_side": None if result.side_by_side is None else {
             "turn_steps": result.side_by_side.turn_steps,
             "decode_tok_s": {name: result.side_by_side.decode_tok_s(name) for name in CACHES},
@@ -154,5 +155,6 @@ def render(console: Console, result: BenchResult, *, model: str, source: str, pr
             ),
             soft_wrap=True,
         )
-    console.print(f"KV cache: kvtool holds {result.kv_fraction:.1%} of the full cache's bytes")
+    by_type = ", ".join(f"{kind.removesuffix('_attention')} layers {share:.1%}" for kind, share in result.kv_fraction_by_type.items())
+    console.print(f"KV cache: kvtool holds {result.kv_fraction:.1%} of the full cache's bytes" + (f" ({by_type})" if by_type else ""))
     console.print(Text(f"peak memory: {result.peak_memory_method}", style="dim"), soft_wrap=True)
