@@ -11,6 +11,8 @@
 #      instead of the fused one (kernels/triton_step.py, whose exactness check is in step 2) and with
 #      the fused step's victim search in one program per row (`SPLIT_GAINS`);
 #   3. 32768 x 2: the same without the exactness checks, 2 repeats;
+#   5. (HYBRID=1) a random-weight model of Gemma-3-12B's shape (40 sliding-window layers of 1024, 8 global)
+#      at 8192 x 4: the full cache against kvtool's uniform 0.2 (windows of 205 entries, global layers at 0.2);
 #   4. (MORE=1) the decode steps' profile, `generate` full against kvtool, and the largest batch at
 #      32k of kvtool (its prompt phase a row at a time) and of the full cache (about 5 minutes more).
 # Results go to $OUT (or ./gpu-out): smoke.json, gpu-8k.json/.md, gpu-32k.json/.md, more.json/.md.
@@ -44,4 +46,9 @@ if [ "${MORE:-0}" = 1 ]; then
     "$python" benchmarks/gpu_bench.py --shape llama3-8b --shapes 8192x4 --repeats 1 --no-exactness --no-kernels \
         --no-decode-attention --no-ceiling --profile decode --generate --capacity-caches kvtool-no-draft-by-row,full \
         --capacity-max-batch 32 --budget-s 300 --json "$out/more.json" | tee "$out/more.md"
+fi
+if [ "${HYBRID:-0}" = 1 ]; then
+    "$python" benchmarks/gpu_bench.py --shape gemma3-12b --shapes 8192x4 --repeats 2 --no-exactness --no-capacity \
+        --no-kernels --no-decode-attention --no-generate --budget-s "${BUDGET_HYBRID_S:-170}" \
+        --json "$out/gpu-gemma3-12b-8k.json" | tee "$out/gpu-gemma3-12b-8k.md"
 fi
