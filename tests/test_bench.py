@@ -157,21 +157,25 @@ def test_ceiling_keeps_each_layers_profile_share(capsys, monkeypatch, tiny_llama
     assert report["kv_fraction"] < 1 and report["budget"] == pytest.approx(sum(ratios) / len(ratios))
 
 
-def test_sliding_window_layers_stay_untouched() -> None:
+def test_sliding_window_layers_keep_their_window() -> None:
     model = tiny_gemma3()
     config = BenchConfig(prompt_tokens=40, new_tokens=3, batch=2, repeat=1)
     ids = torch.randint(3, 97, (config.batch, config.prompt_tokens))
     calls: list[str] = []
-    result = run_bench(model, ids, uniform_profile(model, 0.25), config, progress=calls.append)
+    profile = uniform_profile(model, 0.25)  # sliding layers: windows of ceil(0.25 * 7) = 2 entries
+    result = run_bench(model, ids, profile, config, progress=calls.append)
     assert len(calls) == config.total_runs
     kinds = model.config.layer_types
     for index, kind in enumerate(kinds):
         full, ceiling = result.full.kv_slots[index], result.ceiling.kv_slots[index]
         if kind == "sliding_attention":
-            assert ceiling == full == result.compressed.kv_slots[index]
+            # The window and the slot the newest token takes before the oldest goes: never grown past it.
+            assert ceiling == full == 7 and result.compressed.kv_slots[index] == profile.layers[index].window + 1
         else:
             assert ceiling == math.ceil(0.25 * 40) + 3 < full
     assert result.kv_fraction < 1
+    assert set(result.kv_fraction_by_type) == {"sliding_attention", "full_attention"}
+    assert result.kv_fraction_by_type["sliding_attention"] < 0.5
     assert model.config._attn_implementation == "sdpa"  # detached afterwards
 
 

@@ -28,7 +28,10 @@ class SlotPlacement:
     def _place(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the new token into each sequence's first free slot, growing the buffer if needed."""
         if int(self.kept.max()) + 1 > self.keys.shape[2]:
-            self._grow(GROWTH_SLOTS)
+            grow = GROWTH_SLOTS
+            if self.plan.cap is not None:  # a window holds at most its entries and the token placed before an eviction
+                grow = max(1, min(grow, self.plan.cap + 1 - self.keys.shape[2]))
+            self._grow(grow)
         if self.packed:
             # The first free slot is the row's count: written at host-known slots, nothing searched.
             slot = self.kept.copy()
