@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kvtool.errors import KvtoolError
+
 from kvtool.scoring import Batch, NllTotal, References, StepHook, teacher_forced_nll
 
 
@@ -83,6 +85,12 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
     compressing = target.compressing_layers()
     for index, source in enumerate(full.layers):
         layer = compressing.get(index)
+        if layer is not None and not hasattr(source, "prompt_scores"):
+            # A sliding layer recorded as transformers keeps it: a draft's profile makes it kvtool's at the
+            # model's own window (attach.layer_plans), which holds the same entries; a shorter one does not.
+            if layer.plan.cap != layer.plan.native_window or layer.plan.sink_tokens:
+                raise KvtoolError("internal: a recorded sliding layer stands only for a window of its own size")
+            layer = None
         if layer is None:
             target.layers[index] = copy.deepcopy(source)
             continue
