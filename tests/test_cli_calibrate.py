@@ -186,6 +186,16 @@ def test_reference_tokens_default_is_the_library_default() -> None:
     assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS
 
 
+def test_budget_tokens_default_is_the_library_default() -> None:
+    import inspect
+
+    from kvtool.calibrate.config import DEFAULT_BUDGET_TOKENS
+    from kvtool.cli.calibrate import calibrate_command
+    from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS as PROFILE_DEFAULT
+
+    assert inspect.signature(calibrate_command).parameters["budget_tokens"].default == DEFAULT_BUDGET_TOKENS == PROFILE_DEFAULT
+
+
 def test_calibrate_help_lists_at_most_twelve_options() -> None:
     """The options a user reads in `kvtool calibrate --help` (help itself aside): the draft is one
     option, and what was measured as no better (lookahead, reused drafts, in-context answer

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MERGE_MODES, Draft, MethodSettings
 from kvtool.calibrate.recipes import SearchSpace
+from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS
 
 DEFAULT_SAMPLES = 10
-# Hybrid models: the budget holds at 4096 prompt tokens (profiles.whole_cache); calibration prompts of
-# about 2048 tokens are past a 512-token window four times over and keep a 2-core run in minutes.
-DEFAULT_BUDGET_TOKENS = 4096
+# Hybrid models: the budget holds at DEFAULT_BUDGET_TOKENS prompt tokens (profiles.whole_cache);
+# calibration prompts of about 2048 tokens are past a 512-token window four times over.
 DEFAULT_LONG_PROMPT_TOKENS = 2048
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 # All default samples in one batch: per-token steps cost about the same for 1 row as for 10.
