@@ -109,10 +109,11 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
     plans: list[LayerPlan | None] = []
     # A draft needs every layer to be kvtool's (runtime.cache): a sliding layer that keeps the model's own
     # window becomes a window of that size without sinks, which is transformers' layer entry for entry.
-    own_window = dataclasses.replace(LayerProfile(ratio=1.0, compress=False), sinks=0)
+    own_window = LayerProfile(ratio=1.0, compress=False, window=whole_cache.native_window(profile.model), sinks=0) \
+        if whole_cache.is_hybrid(profile.model) else None
     for kind, layer in zip(profile.model.layer_types, profile.layers):
-        if kind == SLIDING_ATTENTION and layer.window is None and method.draft is not None:
-            layer = dataclasses.replace(own_window, window=whole_cache.native_window(profile.model))
+        if kind == SLIDING_ATTENTION and layer.window is None and method.draft is not None and own_window is not None:
+            layer = own_window
         if kind == SLIDING_ATTENTION and layer.window is not None:
             plans.append(window_plan(layer, profile.model))
             continue
