@@ -53,12 +53,17 @@ def test_padded_batch_equals_single_runs(build, budget, merge):
             assert max_score_diff(single, batch, 0, i) < 1e-6
 
 
-def test_gemma3_sliding_layers_left_alone():
+def test_gemma3_sliding_layers_are_windows_below_budget_one():
+    """At 1.0 the sliding layers stay transformers' own; below it each keeps a window of its share
+    (tests/test_hybrid.py checks those windows against brute force)."""
     model = tiny_gemma3()
+    with attach(model, uniform_profile(model, 1.0)) as handle:
+        kinds = [type(layer) for layer in handle.new_cache().layers]
+    assert kinds == [DynamicSlidingWindowLayer, CompressingLayer, DynamicSlidingWindowLayer, CompressingLayer]
     with attach(model, uniform_profile(model, 0.3)) as handle:
         cache = handle.new_cache()
-        kinds = [type(layer) for layer in cache.layers]
-    assert kinds == [DynamicSlidingWindowLayer, CompressingLayer, DynamicSlidingWindowLayer, CompressingLayer]
+    assert all(isinstance(layer, CompressingLayer) for layer in cache.layers)
+    assert [layer.plan.cap for layer in cache.layers] == [3, None, 3, None]  # ceil(0.3 * 7) of the 7 it stores
 
 
 def test_forward_without_kvtool_cache_is_sdpa(llama):
