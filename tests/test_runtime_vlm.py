@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvtool.profiles import fingerprint_of
 from kvtool.runtime import KvtoolCache, attach, method_profile, uniform_profile
@@ -73,9 +72,10 @@ def test_language_model_gets_kvtool_vision_tower_keeps_its_own(vlm):
     fingerprint = fingerprint_of(model)
     assert (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.vocab_size) == (
         text.num_hidden_layers, text.num_key_value_heads, text.vocab_size)
-    expected = [DynamicSlidingWindowLayer if kind == "sliding_attention" else CompressingLayer
-                for kind in fingerprint.layer_types]
-    assert [type(layer) for layer in cache.layers] == expected
+    # Below budget 1.0 a sliding layer is a kvtool window of its share (tests/test_hybrid.py).
+    assert all(isinstance(layer, CompressingLayer) for layer in cache.layers)
+    windows = [layer.plan.cap is not None for layer in cache.layers]
+    assert windows == [kind == "sliding_attention" for kind in fingerprint.layer_types]
 
 
 def test_budget_one_equals_vanilla_generation(vlm):
@@ -188,6 +188,8 @@ def test_text_prior_keeps_text_before_image_within_the_budget(vlm):
             n = image.numel()
             keep = int(np.ceil(budget * n - 1e-9))
             for layer in cache.compressing_layers().values():
+                if layer.plan.cap is not None:
+                    continue  # a sliding layer's window: sinks and the most recent tokens, not the text prior
                 kept = sorted(layer.order[0][layer.valid[0]].tolist())
                 assert len(kept) == keep == int(layer.kept[0])
                 text = [c for c in range(n) if not image[c]]
