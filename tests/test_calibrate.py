@@ -222,6 +222,9 @@ def test_hybrid_calibration_chooses_the_sliding_windows_by_measured_loss() -> No
     assert profile.budget_tokens == 160
     assert whole_cache.shares(profile)["all"] == pytest.approx(0.3, abs=0.01)
     assert profile.calibration.prompt_tokens.min > 40  # the long prompts pass the window
+    with pytest.raises(KvtoolError) as err:  # refused before any model work
+        calibrate(loaded(wide), 0.01, data=word_prompts(6), samples=4, budget_tokens=160, reference_tokens=6)
+    assert "floor" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -> None:

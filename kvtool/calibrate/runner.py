@@ -30,6 +30,7 @@ from kvtool.calibrate.search import ChosenRecipe, choose_recipe
 from kvtool.calibrate.windows import WindowChoice, choose_windows
 from kvtool.data import Record, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.data.long_prompts import long_prompts
+from kvtool.errors import KvtoolError
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
@@ -125,6 +126,12 @@ def calibrate(
     loaded = as_loaded(model, "calibrate")
     hybrid = whole_cache.is_hybrid(fingerprint_of(loaded.model))
     if hybrid:
+        least = whole_cache.floor(fingerprint_of(loaded.model), config.budget_tokens)
+        if budget < least:  # before any model work: no split reaches it
+            raise KvtoolError(
+                f"budget {budget:g} is below what kvtool keeps of this model's cache at {config.budget_tokens} tokens "
+                f"(floor {least:.3f}: the shortest sliding windows, full-attention layers at 2%)"
+            )
         # Sliding windows matter only past their length: each drawn prompt amid others of the set.
         long = lambda part: long_prompts(part, records, config.long_prompt_tokens, config.seed)  # noqa: E731
         chosen, choosing, confirming = long(chosen), long(choosing), long(confirming)
