@@ -153,8 +153,6 @@ def eval_command(
 
 
 def _with_data_name(report: EvalReport, name: str) -> EvalReport:
-    import dataclasses
-
     return dataclasses.replace(report, data=name)
 
 
