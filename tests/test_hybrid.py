@@ -241,7 +241,7 @@ def test_whole_cache_split_solves_the_full_layers_and_refuses_below_the_floor():
 
 def test_a_hybrid_profile_rebudgets_the_whole_cache():
     """Another budget keeps the calibrated split in proportion: windows scaled, full layers solved."""
-    from kvtool.profiles.budget import rebudget
+    from kvtool.profiles.whole_cache import rebudget
 
     gemma = uniform_profile(tiny_gemma3(), 1.0)
     gemma = dataclasses.replace(gemma, method=dataclasses.replace(gemma.method, ratios="uniform"))

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvtool.calibrate.runner import calibrate
 from kvtool.profiles import Profile
-from kvtool.profiles.budget import check_budget, rebudget
+from kvtool.profiles.budget import check_budget
+from kvtool.profiles.whole_cache import rebudget
 from kvtool.profiles.builtin import builtin_profiles
 from kvtool.runtime import load_profile, uniform_profile
 

@@ -47,7 +47,8 @@ def solve_ratios(curves: np.ndarray, budget: float) -> Allocation:
 def rebudget(
     profile: Profile, budget: float, source: str = "profile", *, importance_curves: bool = False
 ) -> tuple[Profile, Allocation]:
-    """The profile with ratios re-derived for `budget` from its stored priority curves.
+    """The profile with ratios re-derived for `budget` from its stored priority curves (the compressing
+    layers' mean ratio is `budget`; a hybrid profile's whole cache goes through `whole_cache.rebudget`).
 
     The curves are the profile's scorer's (`scorer_curve` where the layers have one, else
     `priority_curve`); `importance_curves` solves on the attention-sum curves (`priority_curve`,
@@ -56,14 +57,6 @@ def rebudget(
     `retention_p` is the new level.
     """
     new_budget = check_budget(budget)
-    if profile.budget_tokens is not None:
-        from kvtool.profiles import whole_cache  # it builds on this module
-
-        if whole_cache.is_hybrid(profile.model):
-            updated = whole_cache.rebudget_whole(profile, new_budget, source, importance_curves)
-            full = [layer.ratio for layer in updated.layers if layer.compress]
-            p = updated.calibration.retention_p if updated.calibration and updated.calibration.retention_p else float("nan")
-            return updated, Allocation(p=p, ratios=np.array(full), iterations=0)
     compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
     if profile.method.ratios == "uniform" and not importance_curves:
         return _uniform(profile, new_budget, compress)

@@ -22,7 +22,11 @@ import dataclasses
 import math
 
 from kvtool.errors import KvtoolError
-from kvtool.profiles.budget import MIN_RATIO, rebudget
+import numpy as np
+
+from kvtool.profiles.allocation import Allocation
+from kvtool.profiles.budget import MIN_RATIO, check_budget
+from kvtool.profiles.budget import rebudget as rebudget_ratios
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
 
@@ -144,7 +148,7 @@ def with_windows(profile: Profile, budget: float, window: int | None, *, tokens:
         )
     if any(layer.compress for layer in layers):
         plain = dataclasses.replace(shaped, budget_tokens=None)  # the full layers' mean ratio, as on any model
-        shaped, _ = rebudget(plain, min(share, 1.0), source=source, importance_curves=importance_curves)
+        shaped, _ = rebudget_ratios(plain, min(share, 1.0), source=source, importance_curves=importance_curves)
     return dataclasses.replace(shaped, budget=budget, budget_tokens=tokens)
 
 
@@ -180,3 +184,14 @@ def uniform_window(budget: float, fingerprint: ModelFingerprint) -> int | None:
     native = native_window(fingerprint)
     window = max(smallest_window(fingerprint), math.ceil(budget * native - 1e-9))
     return None if window >= native else window
+
+
+def rebudget(profile: Profile, budget: float, source: str = "profile", *, importance_curves: bool = False) -> tuple[Profile, Allocation]:
+    """`profile` at another budget: a hybrid profile's whole cache (`rebudget_whole`), any other's
+    ratios from its curves (`budget.rebudget`). What every caller that re-budgets a profile uses."""
+    if profile.budget_tokens is None or not is_hybrid(profile.model):
+        return rebudget_ratios(profile, budget, source, importance_curves=importance_curves)
+    updated = rebudget_whole(profile, check_budget(budget), source, importance_curves)
+    full = [layer.ratio for layer in updated.layers if layer.compress]
+    level = updated.calibration.retention_p if updated.calibration and updated.calibration.retention_p else float("nan")
+    return updated, Allocation(p=level, ratios=np.array(full), iterations=0)

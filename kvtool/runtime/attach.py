@@ -23,7 +23,7 @@ from kvtool.profiles import (
     read_profile,
 )
 from kvtool.profiles import whole_cache
-from kvtool.profiles.budget import rebudget
+from kvtool.profiles.whole_cache import rebudget
 from kvtool.profiles.fingerprint import SLIDING_ATTENTION
 from kvtool.runtime import attention
 from kvtool.runtime.attention import CACHE_KWARG

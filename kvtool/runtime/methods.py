@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime.attach import uniform_profile
-from kvtool.profiles.budget import rebudget
+from kvtool.profiles.whole_cache import rebudget
 
 
 @dataclass(frozen=True)
