@@ -215,21 +215,28 @@ def test_no_draft_is_the_plain_prompt_forward(llama):
 def test_padded_batch_equals_single_runs(llama, case, rounds):
     profile = recipe_profile(llama)
     plans = rules_plans(profile, **RULES[case])
+    drafted_batch_equals_single_runs(llama, profile, plans, rounds)
+
+
+def drafted_batch_equals_single_runs(model, profile, plans, rounds):
+    """A padded batch prepared with a draft gives each row what it gets alone (logits of 24 forced
+    tokens, and every layer's kept count); returns the batch's cache."""
     seqs = [s.tolist() for s in prompts([61, 37, 50], seed=3)]
     forced = torch.randint(3, 90, (3, 24), generator=torch.Generator().manual_seed(2))
-    make = lambda: KvtoolCache(llama.config, plans)  # noqa: E731
-    with torch.no_grad(), attach(llama, profile):
+    make = lambda: KvtoolCache(model.config, plans)  # noqa: E731
+    with torch.no_grad(), attach(model, profile):
         batch = left_pad(seqs, (0, 1, 2), 0)
-        cache, first = draft_prompt_forward(llama, batch, make, K, rounds)
-        together = forced_logits(llama, cache, first, batch, forced)
+        cache, first = draft_prompt_forward(model, batch, make, K, rounds)
+        together = forced_logits(model, cache, first, batch, forced)
         for i, seq in enumerate(seqs):
             alone_batch = left_pad([seq], (i,), 0)
-            alone_cache, alone_first = draft_prompt_forward(llama, alone_batch, make, K, rounds)
-            alone = forced_logits(llama, alone_cache, alone_first, alone_batch, forced[i : i + 1])
+            alone_cache, alone_first = draft_prompt_forward(model, alone_batch, make, K, rounds)
+            alone = forced_logits(model, alone_cache, alone_first, alone_batch, forced[i : i + 1])
             diff = max((a[0] - b[i]).abs().max().item() for a, b in zip(alone, together))
             assert diff < 1e-6, f"sequence {i}"
             for index, layer in cache.compressing_layers().items():
                 assert layer.kept[i] == alone_cache.layers[index].kept[0]  # the budget, held through the steps
+    return cache
 
 
 def test_a_draft_cannot_be_set_late(llama):
@@ -299,19 +306,7 @@ def test_hybrid_padded_batch_equals_single_runs_with_a_draft(rounds):
 
     gemma = tiny_gemma3()
     profile = windowed_gemma_profile(gemma)
-    plans = layer_plans(profile)
-    seqs = [s.tolist() for s in prompts([61, 37, 50], seed=3)]
-    forced = torch.randint(3, 90, (3, 24), generator=torch.Generator().manual_seed(2))
-    make = lambda: KvtoolCache(gemma.config, plans)  # noqa: E731
-    with torch.no_grad(), attach(gemma, profile):
-        batch = left_pad(seqs, (0, 1, 2), 0)
-        cache, first = draft_prompt_forward(gemma, batch, make, K, rounds)
-        together = forced_logits(gemma, cache, first, batch, forced)
-        for i, seq in enumerate(seqs):
-            alone_batch = left_pad([seq], (i,), 0)
-            alone_cache, alone_first = draft_prompt_forward(gemma, alone_batch, make, K, rounds)
-            alone = forced_logits(gemma, alone_cache, alone_first, alone_batch, forced[i : i + 1])
-            assert max((a[0] - b[i]).abs().max().item() for a, b in zip(alone, together)) < 1e-6, f"sequence {i}"
+    cache = drafted_batch_equals_single_runs(gemma, profile, layer_plans(profile), rounds)
     for index, layer in cache.compressing_layers().items():
         assert (layer.kept == layer.plan.keep(layer.tokens)).all()
         if layer.plan.cap is not None:
