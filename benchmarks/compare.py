@@ -109,7 +109,8 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
     for path in peers:
         doc = read_json(path)
         for r in doc["results"]:
-            if math.isclose(r["budget"], budget) and r["method"] != "none":
+            # A press that failed on the model has an "error" and no figures.
+            if math.isclose(r["budget"], budget) and r["method"] != "none" and "error" not in r:
                 rows.append(Row(
                     r["method"] if r["method"].startswith("kvpress") else f"kvpress {r['method']}", "kvpress", r["prompt_only"], r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}),

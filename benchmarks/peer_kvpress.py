@@ -16,7 +16,12 @@ mirrors, so the two tools are judged the same way:
   full cache's; accuracy on rows with "answers": the share of answer strings found in the output,
   case-insensitive (RULER's string-match-all), averaged over answer rows;
 - kv_fraction: KV entries the compressed cache holds at the end of greedy generation over those a
-  full cache holds for the same tokens, pooled over prompts.
+  full cache holds for the same tokens, pooled over prompts; a sliding-window layer's full cache
+  holds its window only (as transformers stores it), so on Gemma 3 this is the whole cache's share.
+
+On a model with sliding-window layers (Gemma 3) the presses leave those layers whole, as kvpress
+does for Gemma 3 (it keys the skip to the multimodal class only): a budget is then the global
+layers' share, and the whole cache's share, kv_fraction, is larger.
 
 kvpress presses compress the prompt once, in its forward (`with press(model):`), and leave the
 cache growing while generating: those rows are `prompt_only`. kvpress's decoding-time wrapper
@@ -453,12 +458,20 @@ def load_model(model_dir: Path) -> Model:
     return Model(model=model, tokenizer=tokenizer, eos=eos)
 
 
+# kvtool.models.prompts: the fallback for a tokenizer without a template that knows Gemma's turns
+# (the Gemma 3 GGUF carries no template).
+GEMMA_TURN = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
+
+
 def _chat_ids(tokenizer: Any, prompt: str) -> list[int]:
     # kvtool.models.prompts.format_prompts: one user turn ending where the reply begins; the
     # rendered text already holds its special tokens.
-    if not tokenizer.chat_template:
-        raise PeerError("the tokenizer has no chat template (kvtool's fallbacks are not restated here)")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    elif all(t in tokenizer.get_vocab() for t in ("<start_of_turn>", "<end_of_turn>")):
+        text = (tokenizer.bos_token or "") + GEMMA_TURN.format(prompt=prompt)
+    else:
+        raise PeerError("the tokenizer has no chat template (kvtool's plain fallback is not restated here)")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -560,7 +573,7 @@ def run_prompt(m: Model, press: Any, ids: list[int], reference: Sequence[int], m
 
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = DynamicCache(config=m.model.config)  # sliding-window layers store their window only
     with press(m.model) if press is not None else contextlib.nullcontext():
         first = prefill(m.model, ids, cache)
         greedy_cache = copy.deepcopy(cache)
@@ -569,9 +582,37 @@ def run_prompt(m: Model, press: Any, ids: list[int], reference: Sequence[int], m
         tokens, _, fed = greedy(m.model, greedy_cache, first, len(ids), max_new_tokens, m.eos)
         _reset_decoding_state(press)
     effective, physical = kv_entries(m.model, greedy_cache)
-    config = m.model.config
-    full = config.num_hidden_layers * config.num_key_value_heads * (len(ids) + fed)
-    return nll, tokens, (effective, physical, full)
+    return nll, tokens, (effective, physical, full_entries(m.model.config, len(ids) + fed))
+
+
+def full_entries(config: Any, seen: int) -> int:
+    """KV entries a full cache holds after `seen` tokens, each layer counted as transformers stores
+    it (kvtool.profiles.whole_cache): a sliding-window layer keeps min(seen, window - 1)."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    per_layer = [min(seen, window - 1) if kind == "sliding_attention" and window else seen for kind in kinds]
+    return config.num_key_value_heads * sum(per_layer)
+
+
+def skip_sliding_layers(press: Any) -> Any:
+    """`press`, leaving sliding-window layers whole. kvpress compresses only Gemma 3's global layers,
+    but its skip (BasePress.__call__) is keyed to Gemma3ForConditionalGeneration; the text-only
+    Gemma3ForCausalLM gets the same here. The hook is looked up on the instance when the press
+    registers it, and an outer press (PrefillDecodingPress, AdaKVPress) dispatches to its inner ones
+    from its own hook, so wrapping the outer hook covers them."""
+    if press is None:
+        return None
+    hook = press.forward_hook
+
+    def forward_hook(module: Any, input: Any, kwargs: dict, output: Any) -> Any:
+        return output if getattr(module, "is_sliding", False) else hook(module, input, kwargs, output)
+
+    press.forward_hook = forward_hook
+    return press
+
+
+def is_hybrid(config: Any) -> bool:
+    return "sliding_attention" in (getattr(config, "layer_types", None) or ())
 
 
 def _text(tokenizer: Any, tokens: Sequence[int]) -> str:
@@ -615,6 +656,9 @@ def run(options: Options) -> dict[str, Any]:
     encoded = [encode_prompt(m.tokenizer, row.prompt, options.max_prompt_tokens) for row in rows]
     _check_press_fits(options.presses, encoded)
     _say(f"{len(rows)} prompts ({min(map(len, encoded))}-{max(map(len, encoded))} tokens), {options.model_dir}")
+    hybrid = is_hybrid(m.model.config)
+    if hybrid:
+        _say("sliding-window layers are left whole, as kvpress runs Gemma 3: budgets apply to the global layers")
 
     with torch.inference_mode():
         tick = time.perf_counter()
@@ -627,7 +671,7 @@ def run(options: Options) -> dict[str, Any]:
             else:
                 from transformers import DynamicCache
 
-                cache = DynamicCache()
+                cache = DynamicCache(config=m.model.config)
                 first = prefill(m.model, ids, cache)
                 tokens, nll, _ = greedy(m.model, cache, first, len(ids), options.max_new_tokens, m.eos)
                 reference = Reference(text=_text(m.tokenizer, tokens), token_ids=tuple(tokens))
@@ -645,14 +689,22 @@ def run(options: Options) -> dict[str, Any]:
                     continue  # it ignores the budget: once is enough
                 tick = time.perf_counter()
                 scores = []
-                for row, ids, reference in zip(rows, encoded, references):
-                    press = spec.build(kvpress, compression_ratio(budget))
-                    nll, tokens, (kept, physical, entries) = run_prompt(m, press, ids, reference.token_ids, options.max_new_tokens)
-                    output = _text(m.tokenizer, tokens)
-                    scores.append(PromptScore(
-                        nll, len(reference.token_ids), output, rouge_l_f1(output, reference.text), _score(row, output),
-                        kept, physical, entries,
-                    ))
+                try:
+                    for row, ids, reference in zip(rows, encoded, references):
+                        press = spec.build(kvpress, compression_ratio(budget))
+                        if hybrid:
+                            press = skip_sliding_layers(press)
+                        nll, tokens, (kept, physical, entries) = run_prompt(m, press, ids, reference.token_ids, options.max_new_tokens)
+                        output = _text(m.tokenizer, tokens)
+                        scores.append(PromptScore(
+                            nll, len(reference.token_ids), output, rouge_l_f1(output, reference.text), _score(row, output),
+                            kept, physical, entries,
+                        ))
+                except Exception as exc:  # a press that does not run on this model is a row of the table, not the end
+                    error = f"{type(exc).__name__}: {exc}"
+                    results.append({"method": spec.method, "press": spec.description, "budget": budget, "error": error})
+                    _say(f"{spec.method} budget {budget:g}: failed on this model ({error})")
+                    continue
                 seconds = time.perf_counter() - tick
                 result = summarize(spec, 1.0 if name == "none" else budget, scores, rows, seconds)
                 results.append(result)

@@ -3,12 +3,13 @@
     .venv/bin/python scripts/make_prompt_sets.py            # writes kvtool/data/{evaluation,calibration}.jsonl
     .venv/bin/python scripts/make_prompt_sets.py --check    # exit 1 unless the files are what this builds
 
-Five kinds of prompt, as users send them (generators in scripts/promptsets/):
+Six kinds of prompt, as users send them (generators in scripts/promptsets/):
   document   questions, summaries, explanations over licences, Python docs, the man-db manual
   image      LLaVA-style text stand-ins: captions + object boxes + regions, then an instruction
   chat       a multi-turn transcript to continue as the assistant
   code       explain / continue / find the planted bug / test / review a stdlib function
   retrieval  RULER-style magic-number needles in a noise or prose haystack, with `answers`
+  long-answer  requests answered at length: study guides, code walkthroughs, modules with tests, tutorials
 Every row is {"prompt", "kind", ["answers"], "task", "sources", ["note"], "tokens_smollm2"}; the two
 sets never share a source (a text or a generator vocabulary). Rows are interleaved by kind, so any
 leading slice or seeded sample of a file mixes the kinds.
@@ -29,10 +30,10 @@ import sys
 from itertools import zip_longest
 from pathlib import Path
 
-from promptsets import chats, code_tasks, documents, retrieval, scenes
+from promptsets import chats, code_tasks, documents, long_answers, retrieval, scenes
 from promptsets.common import CALIBRATION, DATA, EVALUATION, TokenCounter, Window, checked
 
-KINDS = (documents, scenes, chats, code_tasks, retrieval)
+KINDS = (documents, scenes, chats, code_tasks, retrieval, long_answers)
 FILES = {EVALUATION: "evaluation.jsonl", CALIBRATION: "calibration.jsonl"}
 
 
@@ -60,6 +61,8 @@ def report(split: str, records: list[dict]) -> None:
     print(f"{FILES[split]}: {len(records)} prompts")
     for module in KINDS:
         tokens = [r["tokens_smollm2"] for r in records if r["kind"] == module.KIND]
+        if not tokens:
+            continue
         print(f"  {module.KIND:<10} {len(tokens):3d} rows  tokens min {min(tokens)} mean {statistics.mean(tokens):.0f} max {max(tokens)}")
 
 

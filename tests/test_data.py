@@ -122,3 +122,22 @@ def test_bad_kind_and_answers_name_the_line(tmp_path: Path, field: str, message:
         load_jsonl(path)
     text = str(caught.value)
     assert text.startswith(f"{path} line 2: ") and message in text and "\n" not in text
+
+
+def test_kinds_per_kind_and_long_prompts_select_from_the_packaged_set() -> None:
+    from kvtool.data import EVALUATION_DATA, of_kinds
+    from kvtool.data.long_prompts import CHARS_PER_TOKEN, first_per_kind, long_prompts
+
+    pool = load_jsonl(packaged_data(EVALUATION_DATA))
+    long = of_kinds(pool, ["long-answer"])
+    assert len(long) >= 16 and all(r.kind == "long-answer" for r in long)
+    short = of_kinds(pool, ["document", "code"])
+    assert [r.prompt for r in short] == [r.prompt for r in pool if r.kind in ("document", "code")]  # file order
+    firsts = first_per_kind(pool, 1)
+    assert [r.kind for r in firsts] == list(dict.fromkeys(r.kind for r in pool))
+    built = long_prompts(firsts, pool, 2000)
+    for record, made in zip(firsts, built):
+        assert record.prompt in made.prompt and made.kind == record.kind and made.answers == record.answers
+        assert len(made.prompt) >= 2000 * CHARS_PER_TOKEN
+    with pytest.raises(KvtoolError, match="no prompts of kind 'poems'"):
+        of_kinds(pool, ["poems"])

@@ -169,8 +169,10 @@ def test_prefixkv_without_a_profile_calibrates_first_and_says_so(tiny_llama_dir,
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--score-from", "64"], "--score-from"),
         (["--profile", "MISSING.yaml"], "MISSING.yaml"),
+        (["--kinds", "code,poems"], "no prompts of kind 'poems' (the data has: document, image, chat, code, retrieval, long-answer)"),
     ],
-    ids=["missing-file", "empty-data", "unknown-method", "budget-high", "budget-zero", "budget-text", "new-tokens", "score-from", "profile"],
+    ids=["missing-file", "empty-data", "unknown-method", "budget-high", "budget-zero", "budget-text", "new-tokens", "score-from",
+         "profile", "unknown-kind"],
 )
 def test_bad_input_is_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, args, fragment):
     empty = tmp_path / "empty.jsonl"
@@ -270,6 +272,39 @@ def test_score_from_leaves_the_first_tokens_out(loaded, prompts_file):
     decode = lambda x: loaded.tokenizer.decode(x, skip_special_tokens=True).strip()  # noqa: E731
     assert _texts(loaded.tokenizer, refs, 2) == [decode([7, 8]), decode([11])]
     assert _texts(loaded.tokenizer, refs) == [decode([5, 6, 7, 8]), decode([9, 10, 11])]
+
+
+def test_nll_by_answer_position_splits_each_prompt(loaded, prompts_file, monkeypatch, capsys, tiny_llama_dir):
+    """Answer tokens 1-32 of a 40-token run are the whole of a 32-token run of the same greedy
+    references; the buckets add up to each prompt's totals, and the pooled PPLs follow from them."""
+    records = load_jsonl(prompts_file)
+
+    def run_eval(new: int):
+        return evaluate(loaded, data=records, config=EvalConfig(methods=("h2o",), budgets=(0.3,), max_new_tokens=new))
+
+    long, head = run_eval(40), run_eval(32)
+    for whole, first in ((long.full, head.full), (long.results[0].per_prompt, head.results[0].per_prompt)):
+        assert [t[0] for t in whole.tokens_by_position] == list(first.tokens)
+        assert [n[0] for n in whole.nll_by_position] == pytest.approx(list(first.nll), abs=1e-9)
+        assert [sum(t) for t in whole.tokens_by_position] == list(whole.tokens)
+        assert [sum(n) for n in whole.nll_by_position] == pytest.approx(list(whole.nll), abs=1e-9)
+        assert all(t[2] == 0 for t in whole.tokens_by_position)
+        second = sum(t[1] for t in whole.tokens_by_position)
+        assert second > 0
+        assert whole.ppl_by_position[1] == pytest.approx(math.exp(sum(n[1] for n in whole.nll_by_position) / second))
+        assert math.isnan(whole.ppl_by_position[2])
+    doc = long.to_dict()
+    assert doc["full_ppl_by_position"]["1-32"] == pytest.approx(head.full_ppl) and doc["full_ppl_by_position"]["129+"] is None
+    assert doc["results"][0]["ppl_by_position"]["1-32"] == pytest.approx(head.results[0].ppl)
+    assert len(doc["results"][0]["nll_by_position_per_prompt"]) == len(records)
+
+    code, stdout, stderr = run(monkeypatch, capsys, "eval", str(tiny_llama_dir), "--data", str(prompts_file), "--budgets", "0.3",
+                               "--methods", "h2o", "--max-new-tokens", "40")
+    assert code == 0, stderr
+    assert "PPL by answer position" in stdout and "tokens 33-128" in stdout
+    code, stdout, stderr = run(monkeypatch, capsys, "eval", str(tiny_llama_dir), "--data", str(prompts_file), "--budgets", "0.3",
+                               "--methods", "h2o", "--max-new-tokens", "8")
+    assert code == 0 and "PPL by answer position" not in stdout  # every answer inside the first bucket
 
 
 def test_a_draft_holds_the_budget_and_is_reported(loaded, prompts_file, tmp_path):

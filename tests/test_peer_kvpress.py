@@ -292,3 +292,42 @@ def test_no_press_row_reproduces_the_full_cache(tiny_llama_dir, tmp_path):
     [row2] = doc2["results"]
     assert row2["ppl"] == pytest.approx(doc2["full_ppl"], rel=1e-9)
     assert row2["rouge_l_per_prompt"][0] < 1.0 and row2["rouge_l_per_prompt"][1] == 1.0
+
+
+def test_full_entries_count_sliding_layers_as_stored():
+    config = types.SimpleNamespace(
+        num_hidden_layers=4, num_key_value_heads=2, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    )
+    assert peer.full_entries(config, 5) == 2 * 4 * 5  # inside the window every layer holds all
+    assert peer.full_entries(config, 100) == 2 * (3 * 7 + 100)  # sliding layers keep window - 1
+    plain = types.SimpleNamespace(num_hidden_layers=3, num_key_value_heads=1, sliding_window=None, layer_types=None)
+    assert peer.full_entries(plain, 50) == 150
+    assert peer.is_hybrid(config) and not peer.is_hybrid(plain)
+
+
+def test_sliding_layers_are_left_whole():
+    class Press:
+        def __init__(self):
+            self.seen = []
+
+        def forward_hook(self, module, input, kwargs, output):
+            self.seen.append(module.name)
+            return "compressed"
+
+    press = peer.skip_sliding_layers(Press())
+    sliding = types.SimpleNamespace(name="local", is_sliding=True)
+    full = types.SimpleNamespace(name="global", is_sliding=False)
+    assert press.forward_hook(sliding, (), {}, "out") == "out"
+    assert press.forward_hook(full, (), {}, "out") == "compressed"
+    assert press.seen == ["global"] and peer.skip_sliding_layers(None) is None
+
+
+def test_gemma_turns_without_a_template_are_kvtools(word_tokenizer):
+    from kvtool.models.prompts import format_prompts
+
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.add_tokens(["<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    [text] = format_prompts(tokenizer, ["tell me a story"])
+    assert peer.encode_prompt(tokenizer, "tell me a story", 1024) == tokenizer(text, add_special_tokens=False)["input_ids"]

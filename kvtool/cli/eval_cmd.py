@@ -83,6 +83,11 @@ def eval_command(
     ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
+    kinds: Annotated[
+        str | None,
+        typer.Option("--kinds", help="Only the prompts of these kinds, comma-separated (the packaged ones: document, image, "
+                     "chat, code, retrieval, long-answer; long answers want --max-new-tokens 256 or more)."),
+    ] = None,
     per_kind: Annotated[
         int, typer.Option("--per-kind", min=0, help="Only the first N prompts of each kind (0: all).")
     ] = 0,
@@ -110,11 +115,13 @@ def eval_command(
         get_method(name)
     config = EvalConfig(tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens, score_from).checked()
     records = load_jsonl(data) if data is not None else None
-    if per_kind or long_prompts:
-        from kvtool.data import EVALUATION_DATA, packaged_data
+    if kinds is not None or per_kind or long_prompts:
+        from kvtool.data import EVALUATION_DATA, of_kinds, packaged_data
         from kvtool.data.long_prompts import first_per_kind, long_prompts as make_long
 
         pool = records if records is not None else load_jsonl(packaged_data(EVALUATION_DATA))
+        if kinds is not None:  # long prompts are then built from these kinds' texts only
+            pool = of_kinds(pool, parse_list(kinds, "kinds"))
         records = first_per_kind(pool, per_kind) if per_kind else pool
         if long_prompts:
             records = make_long(records, pool, long_prompts)
@@ -134,8 +141,10 @@ def eval_command(
             model, data=records, profile=profile, config=config, progress=bars,
             notify=lambda line: console.print(f"[yellow]{line}[/]", soft_wrap=True),
         )
-    if data is not None or per_kind or long_prompts:
+    if data is not None or kinds is not None or per_kind or long_prompts:
         name = str(data) if data is not None else "the packaged evaluation prompts"
+        if kinds is not None:
+            name += f" of kind {kinds}"
         if per_kind:
             name += f", the first {per_kind} of each kind"
         if long_prompts:
@@ -190,6 +199,8 @@ def render(console: Console, report: EvalReport) -> None:
     console.print(table)
     if len(report.kind_rows) > 1:
         console.print(kind_table(report))
+    if sum(t[1] for t in report.full.tokens_by_position):
+        console.print(position_table(report))
     accuracy = (
         f", answer accuracy {report.full_accuracy:.3f}" if with_accuracy else "",
         "; accuracy is the share of expected answers found in the output" if with_accuracy else "",
@@ -209,6 +220,27 @@ def render(console: Console, report: EvalReport) -> None:
             f"{r.method} at {r.budget:g}: " + ", ".join(f"{k.removesuffix('_attention')} {v:.1%}" for k, v in r.kv_fraction_by_type.items())
             for r in by_type), soft_wrap=True)
     console.print(f"per-layer ratios and D from: {report.profile_source}; {report.seconds:.0f} s", soft_wrap=True)
+
+
+def position_table(report: EvalReport) -> Table:
+    """PPL by where the token sits in the answer: the draft helps the first tokens, and a pooled
+    PPL over long answers would hide where that help ends."""
+    from kvtool.evaluate.results import POSITION_BUCKETS, bucket_label
+
+    table = Table(title="PPL by answer position (ratio to the full cache's)")
+    table.add_column("budget", justify="right")
+    table.add_column("method")
+    full = report.full.ppl_by_position
+    for bucket, tokens in zip(POSITION_BUCKETS, zip(*report.full.tokens_by_position)):
+        table.add_column(f"tokens {bucket_label(bucket)} ({sum(tokens)})", justify="right")
+    table.add_row("", "full cache", *("-" if math.isnan(f) else f"{f:.3f}" for f in full), end_section=True)
+    budgets = list(dict.fromkeys(r.budget for r in report.results))
+    for budget in budgets:
+        rows_at = [r for r in report.results if r.budget == budget]
+        for i, r in enumerate(rows_at):
+            cells = ["-" if math.isnan(p) else f"{p:.3f} ({p / f:.3f})" for p, f in zip(r.per_prompt.ppl_by_position, full)]
+            table.add_row(f"{budget:g}" if i == 0 else "", r.method, *cells, end_section=i == len(rows_at) - 1)
+    return table
 
 
 def kind_table(report: EvalReport) -> Table:

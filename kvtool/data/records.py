@@ -185,6 +185,15 @@ def select_by_kind(records: Sequence[Record], samples: int, seed: int) -> tuple[
     return tuple(records[i] for i in sorted(picked))
 
 
+def of_kinds(records: Sequence[Record], kinds: Sequence[str]) -> tuple[Record, ...]:
+    """The records of `kinds`, in file order; a kind the records do not have is an error naming those they do."""
+    known = list(dict.fromkeys(r.kind for r in records if r.kind is not None))
+    unknown = [k for k in kinds if k not in known]
+    if unknown:
+        raise KvtoolError(f"no prompts of kind {unknown[0]!r} (the data has: {', '.join(known) or 'no kinds'})")
+    return tuple(r for r in records if r.kind in kinds)
+
+
 def split_by_kind(records: Sequence[Record]) -> tuple[tuple[Record, ...], tuple[Record, ...]]:
     """Two disjoint halves with each kind spread over both: within a kind, records alternate
     between the first half and the second (the first gets the odd one out)."""

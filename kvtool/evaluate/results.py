@@ -9,6 +9,17 @@ from typing import Any
 from kvtool.evaluate.metrics import standard_error
 
 
+# Where in the answer a token sits (1-based, inclusive; None: to the end). The draft's verified
+# prefix covers the first few dozen tokens, so a PPL pooled over a long answer hides where its help
+# ends: the first bucket is what the draft reaches, the last what only the compressed cache carries.
+POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 32), (33, 128), (129, None))
+
+
+def bucket_label(bucket: tuple[int, int | None]) -> str:
+    first, last = bucket
+    return f"{first}-{last}" if last is not None else f"{first}+"
+
+
 @dataclass(frozen=True)
 class PromptResults:
     """Per prompt, in data order, so two methods (or two tools) can be compared prompt by prompt."""
@@ -20,10 +31,23 @@ class PromptResults:
     # Reference tokens that were the compressed cache's own top choice (teacher-forced): where a
     # greedy output would have stayed on the full cache's. Empty for the full cache.
     top1: tuple[int, ...] = ()
+    # The same NLL sums and token counts split by POSITION_BUCKETS: one tuple per prompt.
+    nll_by_position: tuple[tuple[float, ...], ...] = ()
+    tokens_by_position: tuple[tuple[int, ...], ...] = ()
 
     def subset(self, rows: list[int]) -> "PromptResults":
         return PromptResults(*(tuple(values[i] for i in rows) if values else () for values in
-                              (self.nll, self.tokens, self.rouge_l, self.accuracy, self.top1)))
+                              (self.nll, self.tokens, self.rouge_l, self.accuracy, self.top1,
+                               self.nll_by_position, self.tokens_by_position)))
+
+    @property
+    def ppl_by_position(self) -> tuple[float, ...]:
+        """PPL pooled over prompts in each of POSITION_BUCKETS (NaN where no answer reaches it)."""
+        out = []
+        for b in range(len(POSITION_BUCKETS)):
+            count = sum(t[b] for t in self.tokens_by_position)
+            out.append(math.exp(sum(n[b] for n in self.nll_by_position) / count) if count else math.nan)
+        return tuple(out)
 
     @property
     def ppl(self) -> float:
@@ -143,6 +167,9 @@ class EvalReport:
                     "accuracy_per_prompt": list(r.per_prompt.accuracy),
                     "nll_per_prompt": list(r.per_prompt.nll),
                     "tokens_per_prompt": list(r.per_prompt.tokens),
+                    "ppl_by_position": _by_position(r.per_prompt),
+                    "nll_by_position_per_prompt": [list(n) for n in r.per_prompt.nll_by_position],
+                    "tokens_by_position_per_prompt": [list(t) for t in r.per_prompt.tokens_by_position],
                     "agreement": r.agreement,
                     "top1_per_prompt": list(r.per_prompt.top1),
                     "kinds": {kind: _kind_summary(r.per_prompt.subset(rows)) for kind, rows in self.kind_rows.items()},
@@ -150,6 +177,7 @@ class EvalReport:
                 for r in self.results
             ],
             "full_accuracy": self.full_accuracy,
+            "full_ppl_by_position": _by_position(self.full),
             "full_kinds": {
                 kind: {"ppl": self.full.subset(rows).ppl, "accuracy": self.full.subset(rows).mean_accuracy, "samples": len(rows)}
                 for kind, rows in self.kind_rows.items()
@@ -171,6 +199,10 @@ class EvalReport:
 def _finite(x: float) -> float | None:
     # JSON has no NaN; one prompt has no standard error.
     return None if math.isnan(x) else x
+
+
+def _by_position(scores: PromptResults) -> dict[str, float | None]:
+    return {bucket_label(b): _finite(ppl) for b, ppl in zip(POSITION_BUCKETS, scores.ppl_by_position)}
 
 
 def _kind_summary(scores: PromptResults) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from kvtool.calibrate.choose import choose_profiles
 from kvtool.data import EVALUATION_DATA, Record, load_jsonl, packaged_data
 from kvtool.errors import KvtoolError
 from kvtool.evaluate.metrics import answer_accuracy, rouge_l_f1
-from kvtool.evaluate.results import EvalReport, FullOutput, MethodResult, PromptResults
+from kvtool.evaluate.results import POSITION_BUCKETS, EvalReport, FullOutput, MethodResult, PromptResults
 from kvtool.models import image_token_ids
 from kvtool.models.loader import as_loaded, eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
@@ -108,15 +108,24 @@ class _PerPrompt:
     rouge_l: list[float] = field(default_factory=list)
     accuracy: list[float | None] = field(default_factory=list)
     top1: list[int] = field(default_factory=list)
+    nll_by_position: list[tuple[float, ...]] = field(default_factory=list)
+    tokens_by_position: list[tuple[int, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nll, self.tokens = [0.0] * self.size, [0] * self.size
         self.rouge_l, self.accuracy = [math.nan] * self.size, [None] * self.size
+        empty = len(POSITION_BUCKETS)
+        self.nll_by_position, self.tokens_by_position = [(0.0,) * empty] * self.size, [(0,) * empty] * self.size
 
     def add_nll(self, rows: tuple[int, ...], nll: torch.Tensor, scored: torch.Tensor) -> None:
+        # The reference's token t (0-based) is answer position t + 1.
+        position = torch.arange(1, nll.shape[1] + 1, device=nll.device)
+        buckets = [(position >= first) & (position <= (last or nll.shape[1])) for first, last in POSITION_BUCKETS]
         for b, row in enumerate(rows):
             self.nll[row] = float(nll[b][scored[b]].sum())
             self.tokens[row] = int(scored[b].sum())
+            self.nll_by_position[row] = tuple(float(nll[b][scored[b] & bucket].sum()) for bucket in buckets)
+            self.tokens_by_position[row] = tuple(int((scored[b] & bucket).sum()) for bucket in buckets)
 
     def add_top1(self, rows: tuple[int, ...], top1: torch.Tensor) -> None:
         if not self.top1:
@@ -125,7 +134,10 @@ class _PerPrompt:
             self.top1[row] = int(top1[b].sum())
 
     def scores(self) -> PromptResults:
-        return PromptResults(tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy), tuple(self.top1))
+        return PromptResults(
+            tuple(self.nll), tuple(self.tokens), tuple(self.rouge_l), tuple(self.accuracy), tuple(self.top1),
+            tuple(self.nll_by_position), tuple(self.tokens_by_position),
+        )
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:

@@ -83,10 +83,11 @@ def _topic_row(topic: Topic, window: Window, rng: random.Random, count: Count) -
     return Row(prompt, KIND, "continue", (f"kvtool chat topics: {topic.name}",))
 
 
-def _doc_row(name: str, window: Window, rng: random.Random, count: Count) -> Row:
+def doc_row(name: str, window: Window, rng: random.Random, count: Count, finals: tuple[str, ...] = DOC_FINALS) -> Row:
+    """A chat over a section of the language reference; the user's last message is one of `finals`."""
     text = texts.topic(name)
     parts = texts.paragraphs(text.body)
-    opener, final = rng.choice(DOC_OPENERS), rng.choice(DOC_FINALS)
+    opener, final = rng.choice(DOC_OPENERS), rng.choice(finals)
     follow = list(DOC_FOLLOW_UPS)
     rng.shuffle(follow)
     target = rng.randint(window.low + 150, window.high)
@@ -111,5 +112,5 @@ def rows(split: str, count: Count) -> list[Row]:
     makers: list[Callable[[random.Random], Row]] = [
         (lambda rng, t=topic: _topic_row(t, window, rng, count)) for topic in TOPICS[split]
     ]
-    makers += [(lambda rng, n=name: _doc_row(n, window, rng, count)) for name in DOC_CHATS[split]]
+    makers += [(lambda rng, n=name: doc_row(n, window, rng, count)) for name in DOC_CHATS[split]]
     return [make(random.Random(f"{split}:{KIND}:{i}")) for i, make in enumerate(makers)]
