@@ -5,7 +5,8 @@ with `--references`), so the per-prompt differences tell a real gap from prompt-
 Prints Markdown: one table of every method and press (PPL, ROUGE-L, retrieval accuracy, KV kept,
 whether it compresses the prompt only), one per kind, and the paired differences of one method
 against every other (mean ± one standard error over prompts, and on how many prompts it is ahead):
-ROUGE-L, retrieval accuracy and each prompt's mean NLL per reference token (where the file has it).
+ROUGE-L, retrieval accuracy and each prompt's mean NLL per reference token (where the file has it), and
+the same NLL by answer position (tokens 1-32, 33-128, 129+; kvtool eval files that have it).
 
 A file given as `FILE.json:LABEL` shows its methods as `METHOD [LABEL]`, so two runs of the same
 method (two profiles, say) sit side by side:
@@ -50,6 +51,8 @@ class Row:
     draft: int = 0  # tokens drafted at the budget to score the prompt again
     draft_rounds: int = 1  # how many times
     draft_jacobi: bool = False  # later rounds drafted from the last one's predictions
+    # Per answer-position bucket (label -> per prompt mean NLL per token there; None where no token).
+    positions: dict[str, list[float | None]] | None = None
 
 
 def per_token_nll(result: dict) -> list[float | None] | None:
@@ -57,6 +60,14 @@ def per_token_nll(result: dict) -> list[float | None] | None:
     if nll is None or tokens is None:
         return None
     return [n / t if t else None for n, t in zip(nll, tokens)]
+
+
+def position_nll(result: dict) -> dict[str, list[float | None]] | None:
+    """Per-token NLL per prompt in each answer-position bucket (kvtool eval files that have them)."""
+    labels, nll, tokens = (result.get(k) for k in ("ppl_by_position", "nll_by_position_per_prompt", "tokens_by_position_per_prompt"))
+    if not labels or nll is None or tokens is None:
+        return None
+    return {label: [n[b] / t[b] if t[b] else None for n, t in zip(nll, tokens)] for b, label in enumerate(labels)}
 
 
 def labelled(arg: str) -> tuple[Path, str | None]:
@@ -104,7 +115,7 @@ def load(paths: list[str], peers: list[Path], budget: float) -> tuple[list[Row],
                     name, "kvtool", r["method"] in PROMPT_ONLY_METHODS, r["ppl"], r["rouge_l_per_prompt"],
                     r.get("accuracy_per_prompt") or [], r["kv_fraction"], r.get("kinds", {}), per_token_nll(r),
                     r.get("kv_peak_fraction"), r.get("draft") or 0, r.get("draft_rounds") or 1,
-                    bool(r.get("draft_jacobi")),
+                    bool(r.get("draft_jacobi")), position_nll(r),
                 ))
     for path in peers:
         doc = read_json(path)
@@ -206,6 +217,26 @@ def paired(rows: list[Row], against: str, kinds: list[str | None]) -> str:
     return "\n".join(lines)
 
 
+def position_paired(rows: list[Row], against: str) -> str | None:
+    """NLL per token by answer position, `against` minus each method: mean ± one standard error over
+    the prompts whose answers reach the bucket (where a draft's help ends shows here)."""
+    base = next((r for r in rows if r.name == against), None)
+    if base is None or base.positions is None:
+        return None
+    labels = list(base.positions)
+    lines = [f"| {against} minus, NLL per token | " + " | ".join(f"tokens {label}" for label in labels) + " |",
+             "| --- |" + " --- |" * len(labels)]
+    for r in rows:
+        if r is base or r.positions is None:
+            continue
+        cells = []
+        for label in labels:
+            d = [a - b for a, b in zip(base.positions[label], r.positions.get(label, [])) if a is not None and b is not None]
+            cells.append(f"{statistics.fmean(d):+.4f} ± {sem(d):.4f} (lower on {sum(x < 0 for x in d)} of {len(d)})" if d else "-")
+        lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 def plot(evals: list[str], peers: list[Path], path: Path) -> Path:
     """PPL, ROUGE-L and retrieval accuracy against budget, one line per method of every file (all
     budgets they hold; later files replace earlier rows of the same method and budget). kvpress
@@ -275,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     if kinds:
         print(kind_table(rows, full, kinds) + "\n")
         print(paired(rows, args.against, kinds))
+    by_position = position_paired(rows, args.against)
+    if by_position:
+        print("\n" + by_position)
 
 
 if __name__ == "__main__":

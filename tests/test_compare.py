@@ -133,3 +133,20 @@ def test_draft_rows_say_so(compare, tmp_path, capsys):
     compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
     out = capsys.readouterr().out
     assert "| kvtool | prompt + generation (budget held; prompt compressed with the attention of a 24-token draft) | 1.700 |" in out
+
+
+def test_nll_by_answer_position_is_paired_per_bucket(compare, tmp_path, capsys):
+    doc = kvtool_doc()
+    labels = {"1-32": 1.0, "33-128": 1.0, "129+": None}
+    doc["results"][0].update(ppl_by_position=labels, nll_by_position_per_prompt=[[2.0, 6.0, 0.0]] * 2 + [[1.0, 0.0, 0.0]] * 2,
+                             tokens_by_position_per_prompt=[[4, 6, 0]] * 2 + [[2, 0, 0]] * 2)
+    doc["results"][1].update(ppl_by_position=labels, nll_by_position_per_prompt=[[4.0, 3.0, 0.0], [2.0, 9.0, 0.0]] + [[1.0, 0.0, 0.0]] * 2,
+                             tokens_by_position_per_prompt=[[4, 6, 0]] * 2 + [[2, 0, 0]] * 2)
+    compare.main([str(write(tmp_path / "e.json", doc)), "--budget", "0.2", "--against", "kvtool"])
+    out = capsys.readouterr().out
+    row = out.split("| kvtool minus, NLL per token |")[1].split("| h2o |")[1]
+    # Tokens 1-32: kvtool 0.5, 0.5, 0.5, 0.5 against h2o 1, 0.5, 0.5, 0.5. Tokens 33-128 (two prompts
+    # reach it): kvtool 1, 1 against h2o 0.5, 1.5. Nothing reaches 129.
+    assert "-0.1250 ± 0.1250 (lower on 1 of 4)" in row
+    assert "+0.0000 ± 0.5000 (lower on 1 of 2)" in row and row.rstrip().endswith("| - |")
+    assert compare.position_nll({"method": "x"}) is None
