@@ -350,9 +350,22 @@ def tiny_profile_with_curves(tiny: LoadedModel):
 # --------------------------------------------------------------------------- replaying the prompt
 
 
-def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
+# The scorers the recipe search reaches, each with the generation rule that reads its seed: the
+# recording's own window (32), and TOVA's one row, which the recorded rows must serve (the search
+# once ranked TOVA's seed by the recording's 32-row sums and measured Gemma 3's TOVA 6x worse).
+REPLAYED_RECIPES = (
+    {},
+    {"scorer": "window", "window": 32, "pool": 7, "heads": "per-head"},
+    {"scorer": "window", "window": 1, "pool": 1, "eviction": "tova"},
+    {"scorer": "union", "window": 8, "pool": 3, "eviction": "tova"},
+)
+
+
+@pytest.mark.parametrize("recipe", REPLAYED_RECIPES, ids=["attention-sum", "window-32", "tova", "union-8"])
+def test_recorded_prompt_compresses_like_a_compressed_prompt_forward(recipe) -> None:
     """The truncation search builds its compressed caches from the full pass's recorded state; they
-    must match what a prompt forward through the calibrated cache stores, and decode the same."""
+    must match what a prompt forward through the calibrated cache stores, and decode the same,
+    whatever observation window the recipe's scorer reads."""
     from kvtool.scoring import left_pad
     from kvtool.calibrate.truncation import compress_recorded_prompt
     from tiny_models import profile_with
@@ -362,9 +375,9 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward() -> None:
         sequences = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (40, 29, 35)]
         batch = left_pad(sequences, (0, 1, 2), pad_id=0)
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
-        profile = profile_with(model, [0.3, 0.5, 0.2, 0.4][: model.config.num_hidden_layers], truncation_distance=8)
+        profile = profile_with(model, [0.3, 0.5, 0.2, 0.4][: model.config.num_hidden_layers], truncation_distance=8, **recipe)
         with torch.inference_mode():
-            full_handle = attach(model, uniform_profile(model, 1.0))
+            full_handle = attach(model, uniform_profile(model, 1.0))  # records the default window, 32
             full = full_handle.new_cache(record_importance=True)
             model(**inputs, **with_cache(model, full), use_cache=True)
             full_handle.detach()
@@ -709,3 +722,31 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
     assert unlimited.calibration.prompt_overhead == 5.0 and unlimited.calibration.max_prompt_overhead is None
     with pytest.raises(KvtoolError, match="max-prompt-overhead must be a number >= 1"):
         run(0.5)
+
+
+def test_recorded_rows_give_the_recorded_window_and_any_shorter_one() -> None:
+    """A recording keeps its last `window` query rows; from them `scores_for` gives the window sums a
+    prompt pass asked for that window would give (float64: the kernels' own sums, to rounding)."""
+    from kvtool.scoring import left_pad
+
+    model = tiny_llama(layers=2, seed=5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    batch = left_pad([torch.randint(3, 90, (n,), generator=gen).tolist() for n in (30, 21)], (0, 1), pad_id=0)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+
+    def recorded(window: int):
+        handle = attach(model, uniform_profile(model, 1.0, MethodSettings(window=window)))
+        cache = handle.new_cache(record_importance=True)
+        with torch.inference_mode():
+            model(**inputs, **with_cache(model, cache), use_cache=True)
+        handle.detach()
+        return cache.compressing_layers()
+
+    wide, one, six = recorded(8), recorded(1), recorded(6)
+    for index, layer in wide.items():
+        assert layer.prompt_rows.shape[2] == 8 and layer.scores_for(8) is layer.prompt_scores
+        for narrow, window in ((one, 1), (six, 6)):
+            torch.testing.assert_close(layer.scores_for(window).window, narrow[index].prompt_scores.window, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(layer.scores_for(window=8).importance, layer.prompt_importance)
+    with pytest.raises(KvtoolError, match="cannot serve an observation window of 9"):
+        next(iter(wide.values())).scores_for(9)

@@ -100,7 +100,7 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
     out = {}
     for index, layer in cache.compressing_layers().items():
         valid = layer.prompt_valid
-        score = layer.prompt_importance if scorer == "attention-sum" else rule.score(layer.prompt_scores, valid, False)
+        score = layer.prompt_importance if scorer == "attention-sum" else rule.score(layer.scores_for(rule.request(False).window), valid, False)
         out[index] = LayerImportance(
             importance=score.detach().cpu().double().numpy(), valid=valid.detach().cpu().numpy().astype(bool)
         )
@@ -156,7 +156,10 @@ def full_pass(
     steps = _Counter(STAGE_REFERENCES, len(batches) * (reference_tokens - 1), progress)
     parts, states, images = [], [], []
     eos = eos_token_ids(model, tokenizer)
-    handle = attach(model, uniform_profile(model, 1.0, method))
+    # The recording keeps the widest observation window any scorer asks for; shorter ones (TOVA's
+    # one row) are served from its recorded rows (`CompressingLayer.scores_for`).
+    widest = max(s.window for _, s in scorers) if any(s.scorer in WINDOW_SCORERS for _, s in scorers) else method.window
+    handle = attach(model, uniform_profile(model, 1.0, dataclasses.replace(method, window=max(method.window, widest))))
     try:
         with torch.inference_mode():
             for batch, batch_answers in zip(batches, answers):

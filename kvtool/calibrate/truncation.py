@@ -96,7 +96,7 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
             continue
         # Copies: a budget-1.0 target layer keeps the tensors it is given and writes into them.
         layer.update(source.keys.clone(), source.values.clone())
-        layer.compress_prompt(mask, source.prompt_scores)
+        layer.compress_prompt(mask, source.scores_for(layer.score_request.window))
     return target
 
 

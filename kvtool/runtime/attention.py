@@ -89,6 +89,8 @@ def _attend(
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
             if layer.needs_importance:
                 scores = prompt_scores(query, key, attention_mask, scaling, request)
+        if layer.plan.record_importance:
+            layer.record_rows(query, scaling)
         layer.compress_prompt(attention_mask, scores)
         return out
     # A window-shaped layer holds its window itself: the step attends to every entry it holds.

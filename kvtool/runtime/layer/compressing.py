@@ -84,6 +84,10 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         # [B, S] the attention the latest token gave each slot, for rules that rank by it (tova)
         self.attention: torch.Tensor | None = None
         self.prompt_scores: PromptScores | None = None  # everything the prompt pass scored, when recorded
+        # When recorded: the queries of the prompt's last `plan.window` rows and the attention scale,
+        # from which `window_scores` serves any shorter observation window (calibration's recipes).
+        self.prompt_rows: torch.Tensor | None = None
+        self.prompt_scaling: float | None = None
         self.prompt_score: torch.Tensor | None = None  # what selection ranked by ([B, n] / [B, Hkv, n]), when recorded
         self.per_head = False  # each KV head holds its own entries (set when the prompt is compressed)
         # Each row's valid slots are its first `kept` slots (checked when the prompt is compressed, kept

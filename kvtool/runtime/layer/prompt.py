@@ -19,6 +19,7 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
+from kvtool.runtime.importance.window import window_sums
 from kvtool.runtime.layer.held_prompt import HeldPrompt
 from kvtool.runtime.layer.slots import is_packed
 
@@ -181,6 +182,23 @@ class PromptCompression:
         self.packed = is_packed(self.valid, keep)
         self.compressed = True
         self.set_truncation_distance(plan.truncation_distance)
+
+    def record_rows(self, query: torch.Tensor, scaling: float) -> None:
+        """Keep the prompt's last `plan.window` query rows (a recording plan's: calibration's)."""
+        self.prompt_rows = query[:, :, -self.plan.window :].detach().clone()
+        self.prompt_scaling = scaling
+
+    def scores_for(self, window: int) -> PromptScores | None:
+        """The recorded prompt scores as a pass asked for observation window `window` would give
+        them: the recorded window sums where the windows agree, else sums over the recorded rows'
+        last `window` (`window_sums`). A TOVA seed (one row) then ranks by the last row's attention,
+        not by the recording's 32."""
+        scores = self.prompt_scores
+        if scores is None or not window or window == self.plan.window:
+            return scores
+        if self.prompt_rows is None:
+            raise KvtoolError("internal: observation windows other than the recorded one need the recorded rows")
+        return replace(scores, window=window_sums(self.prompt_rows, self.keys[:, :, : self.prompt_valid.shape[1]], self.prompt_valid, self.prompt_scaling, window))
 
     def _rank_by(self, scores: PromptScores | None, token_valid: torch.Tensor) -> torch.Tensor | None:
         """The scorer's score, where selection ranks by it or the plan records it (else None)."""
