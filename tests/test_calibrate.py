@@ -654,6 +654,28 @@ def test_window_curves_are_recorded_per_pool_width(tiny: LoadedModel) -> None:
     assert one.curves.shape == seven.curves.shape and not np.allclose(one.curves, seven.curves)
 
 
+def test_window_curves_are_recorded_per_window(tiny: LoadedModel) -> None:
+    """The recording keeps the widest window any scorer reads; each window's curves are that
+    window's own, as a pass asked for it alone would give them."""
+    from kvtool.calibrate.passes import full_pass, scorer_key
+    from kvtool.scoring import encode_batches
+
+    records = word_prompts(3)
+    method = MethodSettings(scorer="window", window=4, pool=1)
+    batches, answers = encode_batches(tiny, records, max_tokens=512, method=method, batch_size=3)
+
+    def measured(windows, recording):
+        variants = [dataclasses.replace(method, window=w) for w in windows]
+        run = full_pass(tiny.model, tiny.tokenizer, batches, answers, dataclasses.replace(method, window=recording),
+                        reference_tokens=2, with_references=False, scorers=variants)
+        return [run.stats_by_scorer[scorer_key(v)] for v in variants]
+
+    one, four, nine = measured((1, 4, 9), recording=4)  # records 9 rows, serves 1 and 4 from them
+    (alone,) = measured((1,), recording=1)  # records the one row itself
+    np.testing.assert_allclose(one.curves, alone.curves, rtol=1e-6, atol=1e-9)
+    assert not np.allclose(one.curves, four.curves) and not np.allclose(four.curves, nine.curves)
+
+
 def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel, tmp_path: Path) -> None:
     """With window shares in the space, every union trial records its share, the union's curves are
     kept per share, and the profile written runs the share it chose."""

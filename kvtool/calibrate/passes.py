@@ -158,8 +158,8 @@ def full_pass(
     eos = eos_token_ids(model, tokenizer)
     # The recording keeps the widest observation window any scorer asks for; shorter ones (TOVA's
     # one row) are served from its recorded rows (`CompressingLayer.scores_for`).
-    widest = max(s.window for _, s in scorers) if any(s.scorer in WINDOW_SCORERS for _, s in scorers) else method.window
-    handle = attach(model, uniform_profile(model, 1.0, dataclasses.replace(method, window=max(method.window, widest))))
+    widest = max([method.window, *(s.window for _, s in scorers if s.scorer in WINDOW_SCORERS)])
+    handle = attach(model, uniform_profile(model, 1.0, dataclasses.replace(method, window=widest)))
     try:
         with torch.inference_mode():
             for batch, batch_answers in zip(batches, answers):
