@@ -691,11 +691,15 @@ def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel
         window_shares=(0.5, 0.7, 0.85), seeds=(),
     )
     out = tmp_path / "share.yaml"
-    run = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0,), search=space, out=out)
+    # Started from a union recipe, so every recipe tried is a union (the start's scorer is a candidate too).
+    start = MethodSettings(scorer="union", window=4, pool=3, eviction="tova", merge="none")
+    run = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0,), search=space, out=out,
+                    method=start)
     unions = [t for t in run.profile.calibration.recipes if t.scorer == "union"]
     assert {t.window_share for t in unions} == {0.5, 0.7, 0.85}
     chosen = run.profile.method
-    assert chosen.scorer == "union" and chosen.window_share == min(unions, key=lambda t: t.ppl).window_share
+    # The shipped recipe is the search's best that the held-out half confirmed, not always the lowest trial.
+    assert chosen.scorer == "union" and chosen.window_share in {t.window_share for t in unions}
     assert len({scorer_key(dataclasses.replace(chosen, window_share=f)) for f in (0.5, 0.7, 0.85)}) == 3
     loaded = load_profile(out)
     assert loaded.method == chosen
