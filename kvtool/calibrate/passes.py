@@ -100,7 +100,10 @@ def recorded_importance(cache: Any, scorer: str = "attention-sum", method: Metho
     out = {}
     for index, layer in cache.compressing_layers().items():
         valid = layer.prompt_valid
-        score = layer.prompt_importance if scorer == "attention-sum" else rule.score(layer.scores_for(rule.request(False).window), valid, False)
+        if scorer == "attention-sum":
+            score = layer.prompt_importance
+        else:  # the scores a pass asked for this scorer's own window would give
+            score = rule.score(layer.scores_for(rule.request(False).window), valid, False)
         out[index] = LayerImportance(
             importance=score.detach().cpu().double().numpy(), valid=valid.detach().cpu().numpy().astype(bool)
         )

@@ -198,7 +198,8 @@ class PromptCompression:
             return scores
         if self.prompt_rows is None:
             raise KvtoolError("internal: observation windows other than the recorded one need the recorded rows")
-        return replace(scores, window=window_sums(self.prompt_rows, self.keys[:, :, : self.prompt_valid.shape[1]], self.prompt_valid, self.prompt_scaling, window))
+        keys = self.keys[:, :, : self.prompt_valid.shape[1]]  # the prompt's columns (the buffer may hold more)
+        return replace(scores, window=window_sums(self.prompt_rows, keys, self.prompt_valid, self.prompt_scaling, window))
 
     def _rank_by(self, scores: PromptScores | None, token_valid: torch.Tensor) -> torch.Tensor | None:
         """The scorer's score, where selection ranks by it or the plan records it (else None)."""
