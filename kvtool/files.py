@@ -20,8 +20,11 @@ from kvtool.errors import KvtoolError
 NEW_FILE_MODE = 0o644
 
 
-def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[str]], None], what: str = "file") -> Path:
-    """Create or replace `path` with what `write(stream)` writes (UTF-8 text); parent dirs are created.
+def write_atomic(
+    path: str | os.PathLike[str], write: Callable[[IO], None], what: str = "file", *, binary: bool = False
+) -> Path:
+    """Create or replace `path` with what `write(stream)` writes (UTF-8 text, or bytes when `binary`);
+    parent dirs are created.
 
     The text goes to a temp file in the same directory that is renamed over `path` only once
     complete, so readers never see a partial file and an existing one survives any failure. An
@@ -32,7 +35,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[str]], None],
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.NamedTemporaryFile(
-            "w", encoding="utf-8", dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp", delete=False
+            "wb" if binary else "w", encoding=None if binary else "utf-8", dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp", delete=False
         )
     except OSError as exc:
         raise _write_error(dest, what, exc) from exc
@@ -56,6 +59,11 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[str]], None],
 def write_text_atomic(path: str | os.PathLike[str], text: str, what: str = "file") -> Path:
     """`write_atomic` for text already in memory."""
     return write_atomic(path, lambda stream: stream.write(text), what)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, what: str = "file") -> Path:
+    """`write_atomic` for bytes already in memory."""
+    return write_atomic(path, lambda stream: stream.write(data), what, binary=True)
 
 
 def check_writable(path: str | Path, what: str = "profile") -> Path:

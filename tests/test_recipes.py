@@ -129,7 +129,8 @@ def test_finalists_are_the_chosen_the_runners_up_and_the_start():
     finalists = search.finalists(3)
     keys = [recipe_key(s) for s in finalists]
     assert keys[0] == recipe_key(search.chosen)
-    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 5
+    # The chosen, two runners-up, the best of every other scorer, the start.
+    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 3 + (len(SPACE.scorers) - 1) + 1
     # Every scorer the search tried has its best recipe among the finalists.
     for scorer in {t.settings.scorer for t in search.trials}:
         best = min((t for t in search.trials if t.settings.scorer == scorer), key=lambda t: t.ppl)
@@ -186,11 +187,11 @@ def test_draw_spreads_over_kinds_and_the_split_shares_every_kind():
 
 def test_the_search_space_default_covers_every_held_rule():
     assert set(SPACE.evictions) == {"fixed-point", "heavy-hitter", "heavy-hitter-window", "tova"}
-    assert set(SPACE.scorers) == {"attention-sum", "window", "union"}
+    assert set(SPACE.scorers) == {"attention-sum", "window", "union", "expected-attention"}
     product = list(itertools.product(
         SPACE.evictions, SPACE.scorers, SPACE.ratio_sources, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes
     ))
-    assert len(product) == 432  # times the D values of the fixed-point queue
+    assert len(product) == 576  # times the D values of the fixed-point queue
 
 
 # ----- what a searched profile records ------------------------------------------------------------
@@ -297,12 +298,12 @@ def test_the_scorer_stage_tries_the_window_scorers_once_per_pool_width():
     options = stage_options("scorer", START, SearchSpace(pools=(1, 7, 31), window_shares=(0.5,)))
     assert [(s.scorer, s.pool) for s in options] == [("attention-sum", START.pool)] + [
         (scorer, pool) for scorer in ("window", "union") for pool in (1, 7, 31)
-    ]
-    # The pool tells window and union recipes apart and is ignored for the scorer that does not pool.
-    assert len({recipe_key(s) for s in options}) == 7
+    ] + [("expected-attention", START.pool)]
+    # The pool tells window and union recipes apart and is ignored for the scorers that do not pool.
+    assert len({recipe_key(s) for s in options}) == 8
     assert recipe_key(dataclasses.replace(START, pool=31)) == recipe_key(START)
     assert "pool 31" in describe(options[3]) and "pool" not in describe(START)
-    assert describe(options[-1]).split(" · ")[1] == "union (window 32, pool 31)"
+    assert describe(options[-2]).split(" · ")[1] == "union (window 32, pool 31)"
 
 
 def test_the_scorer_stage_tries_the_union_at_every_window_share():
@@ -310,14 +311,14 @@ def test_the_scorer_stage_tries_the_union_at_every_window_share():
     options = stage_options("scorer", START, SearchSpace(pools=(15,), window_shares=(0.5, 0.7)))
     assert [(s.scorer, s.pool, s.window_share) for s in options] == [
         ("attention-sum", START.pool, START.window_share), ("window", 15, START.window_share),
-        ("union", 15, 0.5), ("union", 15, 0.7),
+        ("union", 15, 0.5), ("union", 15, 0.7), ("expected-attention", START.pool, START.window_share),
     ]
-    # The share tells union recipes apart only: the window scorer and attention-sum ignore it.
-    assert len({recipe_key(s) for s in options}) == 4
+    # The share tells union recipes apart only: the other scorers ignore it.
+    assert len({recipe_key(s) for s in options}) == 5
     assert recipe_key(dataclasses.replace(options[1], window_share=0.7)) == recipe_key(options[1])
     assert recipe_key(dataclasses.replace(START, window_share=0.7)) == recipe_key(START)
-    assert describe(options[-1]).split(" · ")[1] == "union (window 32, pool 15, window share 70%)"
-    assert describe(options[-2]).split(" · ")[1] == "union (window 32, pool 15)"
+    assert describe(options[-2]).split(" · ")[1] == "union (window 32, pool 15, window share 70%)"
+    assert describe(options[-3]).split(" · ")[1] == "union (window 32, pool 15)"
 
 
 @pytest.mark.parametrize("shares", [(), (0.0,), (1.0,), (0.5, 1.2), (True,)])

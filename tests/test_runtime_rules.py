@@ -34,6 +34,9 @@ from kvtool.runtime.layer import GROWTH_SLOTS, LayerPlan
 from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.selection import select_rule
 from kvtool.models.forward import with_cache
+from kvtool.models.queries import future_rotations
+from kvtool.runtime.importance import LayerQueries
+from test_expected_attention import brute_force as brute_force_expected
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
 
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -400,7 +403,22 @@ CASES = {
     "per-head-window-h2o-window": ("per-head", "window", 4, 3, "none", "heavy-hitter-window"),
     "shared-union-h2o-window-position": ("shared", "union", 6, 7, "position", "heavy-hitter-window"),
     "per-head-sum-h2o-window": ("per-head", "attention-sum", 5, 3, "none", "heavy-hitter-window"),
+    # Expected Attention from (random) calibrated query statistics, against the float64 brute force.
+    "per-head-expected-tova": ("per-head", "expected-attention", 1, 1, "none", "tova"),
+    "shared-expected-fixed-point-position": ("shared", "expected-attention", 1, 1, "position", "fixed-point", 0.3),
 }
+
+
+def random_queries(model, seed: int = 5) -> dict[int, LayerQueries]:
+    """Query statistics for every layer of `model`: random means, random positive semi-definite covariances."""
+    g = torch.Generator().manual_seed(seed)
+    rotations = future_rotations(model)
+    out = {}
+    for index, rotation in rotations.items():
+        root = torch.randn(HEADS, model.config.head_dim, model.config.head_dim, generator=g, dtype=torch.float64)
+        mean = 2 * torch.randn(HEADS, model.config.head_dim, generator=g, dtype=torch.float64)
+        out[index] = LayerQueries(mean, root @ root.transpose(-1, -2) / 4, rotation, future=7)
+    return out
 
 
 @pytest.mark.parametrize("draft", [0, 5], ids=["prompt", "draft"])
@@ -421,6 +439,8 @@ def test_compressed_decoding_matches_per_head_reference(case, draft):
         profile, heads=heads_mode, scorer=scorer, window=window, pool=pool, evict=rule, recent_share=share,
         window_share=window_share,
     )
+    queries = random_queries(model)
+    plans = [dataclasses.replace(p, queries=queries[i]) for i, p in enumerate(plans)]
     steps = torch.randint(3, 97, (44,), generator=torch.Generator().manual_seed(7)).tolist()
     recent = max(RECENT, window) if scorer in ("window", "union") else RECENT
 
@@ -435,7 +455,12 @@ def test_compressed_decoding_matches_per_head_reference(case, draft):
         for index, ratio in enumerate(RATIOS):
             keep = math.ceil(ratio * n - 1e-9)
             recent_here = max(recent, math.ceil(share * keep)) if share else recent
-            score = reference_scores(maps[index], scorer, window, pool, window_share, draft)
+            if scorer == "expected-attention":
+                q = queries[index]
+                valid = torch.ones(1, n, dtype=torch.bool)
+                score = brute_force_expected(full.layers[index].keys, full.layers[index].values, valid, q.mean, q.cov, q.rotation, q.future)[0]
+            else:
+                score = reference_scores(maps[index], scorer, window, pool, window_share, draft)
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
             if not per_head:
                 score = score.mean(dim=0, keepdim=True).expand(KV_HEADS, n)

@@ -21,6 +21,7 @@ from kvtool.calibrate.statistics import ImportanceStats, LayerImportance, Prompt
 from kvtool.calibrate.truncation import TruncationResult, TruncationScores, compress_recorded_prompt, score_candidates
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
+from kvtool.profiles.queries import QueryStats
 from kvtool.profiles.schema import WINDOW_SCORERS
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.draft import prepare
@@ -34,6 +35,7 @@ from kvtool.scoring import (
 STAGE_IMPORTANCE = "importance"
 STAGE_REFERENCES = "references"
 STAGE_TRUNCATION = "truncation"
+STAGE_QUERIES = "queries"
 
 Progress = Callable[[str, int, int], None]
 
@@ -148,11 +150,12 @@ def full_pass(
     with_references: bool,
     progress: Progress = no_progress,
     scorers: Sequence[MethodSettings] = (),
+    query_stats: QueryStats | None = None,
 ) -> FullPass:
     """Importance of every prompt and, `with_references`, the references of every batch.
 
     Statistics are made for the scorer of each settings in `scorers` (default: `method`'s alone),
-    keyed by `scorer_key`."""
+    keyed by `scorer_key`; `query_stats` serve the expected-attention scorer."""
     scorers = tuple({scorer_key(s): s for s in (scorers or (method,))}.items())
     samples = sum(len(b.rows) for b in batches)
     importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
@@ -162,7 +165,8 @@ def full_pass(
     # The recording keeps the widest observation window any scorer asks for; shorter ones (TOVA's
     # one row) are served from its recorded rows (`CompressingLayer.scores_for`).
     widest = max([method.window, *(s.window for _, s in scorers if s.scorer in WINDOW_SCORERS)])
-    handle = attach(model, uniform_profile(model, 1.0, dataclasses.replace(method, window=widest)))
+    recording = uniform_profile(model, 1.0, dataclasses.replace(method, window=widest))
+    handle = attach(model, dataclasses.replace(recording, query_stats=query_stats))
     try:
         with torch.inference_mode():
             for batch, batch_answers in zip(batches, answers):

@@ -22,7 +22,10 @@ from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
 from kvtool.calibrate.config import CalibrateConfig
 from kvtool.calibrate.cost import affordable_draft
-from kvtool.calibrate.passes import Progress, full_pass, no_progress, scorer_key, search_truncation_and_merge
+from kvtool.calibrate.passes import (
+    STAGE_QUERIES, Progress, _Counter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
+)
+from kvtool.calibrate.queries import record_query_stats
 from kvtool.calibrate.recipes import seed_recipes, stage_options
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
@@ -34,6 +37,7 @@ from kvtool.errors import KvtoolError
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
+from kvtool.profiles.schema import QUERY_SCORERS
 from kvtool.scoring import encode_batches
 
 
@@ -146,10 +150,16 @@ def calibrate(
         replace(method, scorer="attention-sum"), method,
         *((*stage_options("scorer", method, space), *seed_recipes(space, method)) if space else ()),
     )
+    # The expected-attention scorer reads per-head query statistics: recorded first, so the full pass
+    # scores with them like any other scorer.
+    queries = None
+    if any(s.scorer in QUERY_SCORERS for s in scorers):
+        counter = _Counter(STAGE_QUERIES, sum(len(b.rows) for b in batches), report).start()
+        queries = record_query_stats(loaded.model, batches, on_batch=counter.step)
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
         reference_tokens=config.reference_tokens, with_references=bool(config.candidates), progress=report,
-        scorers=scorers,
+        scorers=scorers, query_stats=queries,
     )
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
@@ -167,11 +177,12 @@ def calibrate(
         source = curves_of(settings)
         ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
         kept = dict(zip(importance.layers, ratios.allocation.ratios))
-        return build_profile(
+        built = build_profile(
             fingerprint, budget, settings, importance, ratios,
             kept_image_share(measured.images, kept, settings),
             scorer_stats=measured.stats_by_scorer[source] if source != "attention-sum" else None,
         )
+        return replace(built, query_stats=queries)
 
     truncation, merge_ppl, recipes = None, {}, None
     if space is not None:
@@ -211,6 +222,8 @@ def calibrate(
         profile.calibration, prompt_overhead=round(costs[-1].ratio, 3), max_prompt_overhead=config.max_prompt_overhead,
         window_ppl=windows.ppl if windows is not None and windows.ppl else None,
     ))
+    if profile.method.scorer not in QUERY_SCORERS:
+        profile = replace(profile, query_stats=None)  # nothing reads them: no sidecar
     if dest is not None:
         save_profile(profile, dest)
     return CalibrationResult(

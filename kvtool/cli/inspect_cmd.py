@@ -122,7 +122,19 @@ def _method_rows(profile: Profile) -> list[tuple[str, str]]:
             f"merge {s.merge} · sink tokens {s.sink_tokens} · recent window {s.recent_window}"
             f" · truncation distance {s.truncation_distance}",
         ),
-    ]
+    ] + _query_rows(profile)
+
+
+def _query_rows(profile: Profile) -> list[tuple[str, str]]:
+    stats, ref = profile.query_stats, profile.queries
+    if stats is None or ref is None:
+        return []
+    heads = stats.mean.shape[1]
+    return [(
+        "Query statistics",
+        f"{ref.file}: {len(stats.layers)} layers x {heads} heads, mean and covariance of {stats.queries:,} "
+        f"calibration queries ({stats.nbytes / 1e3:,.0f} kB); RoPE averaged over the next {stats.future} positions",
+    )]
 
 
 def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:

@@ -89,6 +89,8 @@ def document_fields(cls: type) -> tuple[DocField, ...]:
     hints = typing.get_type_hints(cls)
     result = []
     for f in dataclasses.fields(cls):
+        if f.metadata.get("kvtool.memory-only"):
+            continue
         field_rule = f.metadata.get(RULE_KEY, Rule())
         hint, optional = _strip_none(hints[f.name])
         kind, record = _kind(hint, f"{cls.__name__}.{f.name}")

@@ -6,6 +6,7 @@ The document layout and its checks come from the schema's field declarations
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -15,16 +16,24 @@ import yaml
 from kvtool.errors import KvtoolError
 from kvtool.files import write_atomic
 from kvtool.profiles.document import FlowDict, FlowList, profile_from_document, profile_to_dict
-from kvtool.profiles.schema import SCHEMA_VERSION, Profile
+from kvtool.profiles.queries import load_query_stats, save_query_stats, sidecar_path
+from kvtool.profiles.schema import SCHEMA_VERSION, Profile, QueriesFile
 from kvtool.profiles.validate import check_document, validate_profile
 
 HEADER = f"# kvtool profile v{SCHEMA_VERSION} — budget is the fraction of KV entries KEPT\n"
 
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:
-    """Validate `profile` and write it atomically to `path` (parent dirs are created)."""
+    """Validate `profile` and write it atomically to `path` (parent dirs are created), its query
+    statistics first, to the sidecar the YAML then names."""
     dest = Path(path)
     validate_profile(profile, source=str(dest))
+    stats = profile.query_stats
+    if stats is not None:
+        sidecar = sidecar_path(dest)
+        model = profile.model
+        digest = save_query_stats(stats, sidecar, heads=model.num_attention_heads, head_dim=model.head_dim)
+        profile = dataclasses.replace(profile, queries=QueriesFile(sidecar.name, digest, stats.future))
     document = profile_to_dict(profile)
 
     def write(stream: IO[str]) -> None:
@@ -46,7 +55,18 @@ def read_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file; any problem is a one-line KvtoolError."""
     source = Path(path)
     document = _load_yaml(source)
-    return profile_from_document(check_document(document, str(source)))
+    profile = profile_from_document(check_document(document, str(source)))
+    ref = profile.queries
+    if ref is None:
+        return profile
+    if Path(ref.file).name != ref.file:
+        raise KvtoolError(f"{source}: queries.file must name a file beside the profile, got {ref.file!r}")
+    model = profile.model
+    stats = load_query_stats(
+        source.with_name(ref.file), ref.sha256, heads=model.num_attention_heads, head_dim=model.head_dim,
+        future=ref.future_positions,
+    )
+    return dataclasses.replace(profile, query_stats=stats)
 
 
 class _ProfileDumper(yaml.SafeDumper):

@@ -24,7 +24,9 @@ MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "simila
 # registry line there.
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
 # What a prompt token is worth (kvtool.runtime.importance) and whether KV heads choose their own entries.
-SCORERS = ("attention-sum", "window", "union")
+SCORERS = ("attention-sum", "window", "union", "expected-attention")
+# The scorers that read the profile's per-head query statistics (`Profile.queries`).
+QUERY_SCORERS = ("expected-attention",)
 # The scorers that read the observation window and max-pool it (their window and pool matter).
 WINDOW_SCORERS = ("window", "union")
 HEAD_MODES = ("shared", "per-head")
@@ -264,6 +266,20 @@ class CalibrationInfo:
 
 
 @dataclass(frozen=True)
+class QueriesFile:
+    """The sidecar holding a profile's per-head query statistics (`kvtool.profiles.queries`): its
+    name beside the profile, its SHA-256, and the future positions RoPE is averaged over."""
+
+    file: str
+    sha256: str
+    future_positions: int = field(metadata=rule(low=1))
+
+
+# Profile fields that live in memory only (io writes and reads them beside the YAML).
+MEMORY_ONLY = "kvtool.memory-only"
+
+
+@dataclass(frozen=True)
 class Profile:
     """A per-layer KV budget for one model. `budget` is the KEPT fraction of the full cache.
 
@@ -283,8 +299,12 @@ class Profile:
     # it stores (a sliding layer min(L, window - 1)); None in profiles made before the field existed,
     # whose budget is the compressing layers' kept share (the same for a model of full-attention layers).
     budget_tokens: int | None = field(default=None, kw_only=True, metadata=rule(low=1, omit_none=True))
+    # The per-head query statistics the expected-attention scorer reads; left out of the file when None.
+    queries: QueriesFile | None = field(default=None, kw_only=True, metadata=rule(omit_none=True, flow=True))
     # Listed in order, each entry stating its position (a check against hand edits).
     layers: tuple[LayerProfile, ...] = field(metadata=rule(per_layer=True, index_key="layer"))
+    # The statistics `queries` names (a kvtool.profiles.queries.QueryStats), loaded with the file.
+    query_stats: object = field(default=None, kw_only=True, compare=False, repr=False, metadata={MEMORY_ONLY: True})
 
     @property
     def ratios(self) -> list[float]:

@@ -14,6 +14,7 @@ import torch
 from kvtool import __version__
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import CACHE_NAMES, passed_cache
+from kvtool.models.queries import future_rotations
 from kvtool.models.vision import image_token_ids
 from kvtool.profiles import (
     LayerProfile,
@@ -31,6 +32,7 @@ from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.draft import generate as draft_generate
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.held import HeldCache
+from kvtool.runtime.importance import LayerQueries
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.eviction import EVICT_RULES, evict_rule
 from kvtool.runtime.merge import merge_rule
@@ -103,15 +105,30 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
     return dataclasses.replace(shaped, method=profile.method)
 
 
-def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
+def layer_queries(model, profile: Profile) -> dict[int, LayerQueries]:
+    """Each described layer's query statistics with the model's RoPE for it (empty without statistics)."""
+    stats = profile.query_stats
+    if stats is None:
+        return {}
+    rotations = future_rotations(model)
+    out = {}
+    for index in stats.layers:
+        mean, cov = stats.layer(index)
+        out[index] = LayerQueries(mean, cov, rotations[index], stats.future)
+    return out
+
+
+def layer_plans(profile: Profile, min_kept: int = 0, queries: dict[int, LayerQueries] | None = None) -> list[LayerPlan | None]:
+    """The plan of every layer (None: left to transformers); `queries` from `layer_queries`."""
     method = profile.method
+    queries = queries or {}
     rule, select, evict = merge_rule(method.merge), select_rule(method.selection), evict_rule(method.eviction)
     plans: list[LayerPlan | None] = []
     # A draft needs every layer to be kvtool's (runtime.cache): a sliding layer that keeps the model's own
     # window becomes a window of that size without sinks, which is transformers' layer entry for entry.
     own_window = LayerProfile(ratio=1.0, compress=False, window=whole_cache.native_window(profile.model), sinks=0) \
         if whole_cache.is_hybrid(profile.model) else None
-    for kind, layer in zip(profile.model.layer_types, profile.layers):
+    for index, (kind, layer) in enumerate(zip(profile.model.layer_types, profile.layers)):
         if kind == SLIDING_ATTENTION and layer.window is None and method.draft is not None and own_window is not None:
             layer = own_window
         if kind == SLIDING_ATTENTION and layer.window is not None:
@@ -136,6 +153,7 @@ def layer_plans(profile: Profile, min_kept: int = 0) -> list[LayerPlan | None]:
                 heads=method.heads,
                 recent_share=method.recent_share,
                 min_kept=min_kept,
+                queries=queries.get(index),
             )
         )
     return plans
@@ -202,7 +220,7 @@ class KvtoolHandle:
         if not self.attached:
             raise KvtoolError("this kvtool handle was detached; attach the profile again")
         _check_fits(profile, self.model)
-        return KvtoolCache(self.model.config, layer_plans(profile, self.min_kept))
+        return KvtoolCache(self.model.config, layer_plans(profile, self.min_kept, layer_queries(self.model, profile)))
 
     def detach(self) -> None:
         if self.attached:
@@ -298,7 +316,7 @@ def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
     a shorter one): a floor for short prompts, above the budget only while ratio * T is below it."""
     _check_fits(profile, model)
     check_supported(model)
-    plans = layer_plans(profile, min_kept)
+    plans = layer_plans(profile, min_kept, layer_queries(model, profile))
     name = attention.register()
     previous = _implementations(model)
     config = model.config

@@ -17,11 +17,14 @@ class ScoreRequest:
     """What a prompt pass scores beside the layer-averaged column sums (which it always gives).
 
     heads: also the column sums per KV head. window: also, per KV head, the attention the last
-    `window` real prompt rows give each column (0: not needed).
+    `window` real prompt rows give each column (0: not needed). expected: the layer adds the
+    expected-attention scores (`importance.expected`) from its keys, values and query statistics
+    (no pass computes them).
     """
 
     heads: bool = False
     window: int = 0
+    expected: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,14 @@ class PromptScores:
         (their mean over KV heads is `importance`).
     window: [B, Hkv, n] or None, per KV head the sum over the last `window` real query rows of
         A[row, column], averaged over the KV head's query heads (unpooled).
+    expected: [B, Hkv, n] or None, the expected-attention scores (added by the layer, not the pass).
     Padded columns are 0 everywhere; padded query rows contribute nothing.
     """
 
     importance: torch.Tensor
     heads: torch.Tensor | None = None
     window: torch.Tensor | None = None
+    expected: torch.Tensor | None = None
 
 
 NO_EXTRAS = ScoreRequest()
@@ -54,4 +59,6 @@ def with_rows(prompt: PromptScores | None, rows: PromptScores) -> PromptScores |
         return None
     n = prompt.importance.shape[-1]
     more = lambda mine, theirs: None if mine is None else mine + theirs[..., :n].to(mine.dtype)  # noqa: E731
-    return PromptScores(more(prompt.importance, rows.importance), more(prompt.heads, rows.heads), more(prompt.window, rows.heads))
+    return PromptScores(
+        more(prompt.importance, rows.importance), more(prompt.heads, rows.heads), more(prompt.window, rows.heads), prompt.expected
+    )

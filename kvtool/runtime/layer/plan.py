@@ -8,7 +8,7 @@ import numpy as np
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction import EvictRule, FixedPoint
-from kvtool.runtime.importance import Scorer, make_scorer
+from kvtool.runtime.importance import LayerQueries, Scorer, make_scorer
 from kvtool.runtime.merge import MergeRule
 from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
 
@@ -52,6 +52,9 @@ class LayerPlan:
     # What transformers' own layer would store at most: a sliding-window layer's window - 1 (None: the
     # whole sequence). The full cache the layer's kept share is counted against (`full_bytes`).
     native_window: int | None = None
+    # The layer's calibrated query statistics and RoPE (the expected-attention scorer reads them);
+    # None when the profile has none.
+    queries: LayerQueries | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:

@@ -19,6 +19,7 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
+from kvtool.runtime.importance.expected import expected_scores
 from kvtool.runtime.importance.window import window_sums
 from kvtool.runtime.layer.held_prompt import HeldPrompt
 from kvtool.runtime.layer.slots import is_packed
@@ -45,12 +46,17 @@ class PromptCompression:
         if plan.record_importance:
             # Recording is for calibration, which tries every scorer and head mode on the same
             # recorded prompt: score everything (the extra sums come from the same blocks).
-            return ScoreRequest(heads=True, window=plan.window)
+            return ScoreRequest(heads=True, window=plan.window, expected=plan.queries is not None)
         ranks = self.compresses and plan.select.needs_importance
         request = plan.scoring.request(per_head) if ranks else NO_EXTRAS
         if self.compresses and plan.evict.needs_scores:
             seed = plan.evict.seed_request(per_head, window=plan.window)  # the plan's window, as the scorer's
             request = replace(request, heads=request.heads or seed.heads, window=request.window or seed.window)
+        if request.expected and plan.queries is None:
+            raise KvtoolError(
+                "the expected-attention scorer needs the query statistics a calibrated profile carries "
+                "(kvtool calibrate records them); this profile has none"
+            )
         if request.window and self._draft:
             request = replace(request, window=request.window + self._draft)  # the draft rows read too
         return request
@@ -138,7 +144,8 @@ class PromptCompression:
         if self.prompt_image is not None:
             self.prompt_image = self.prompt_image[:, :n]
         if scores is not None:
-            scores = PromptScores(*(None if t is None else t[..., :n] for t in (scores.importance, scores.heads, scores.window)))
+            cut = (scores.importance, scores.heads, scores.window, scores.expected)
+            scores = PromptScores(*(None if t is None else t[..., :n] for t in cut))
         return token_valid[:, :n], scores
 
     def _compress(self, token_valid: torch.Tensor, scores: PromptScores | None) -> None:
@@ -150,6 +157,8 @@ class PromptCompression:
         plan = self.plan
         keep = plan.keep(self.tokens)
         importance = None if scores is None else scores.importance
+        if scores is not None and self.score_request.expected and scores.expected is None:
+            scores = replace(scores, expected=expected_scores(keys, values, token_valid, plan.queries))
         rank_by = self._rank_by(scores, token_valid)
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid

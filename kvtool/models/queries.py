@@ -1,0 +1,116 @@
+"""Where a model's attention layers make their queries, and how RoPE turns them: what Expected
+Attention (runtime.importance.expected) and its calibration (calibrate.queries) need of a model.
+
+transformers' attention modules project the query (`q_proj`), optionally normalise it per head
+(`q_norm`: Gemma 3, Qwen3), then rotate it with the (cos, sin) the decoder's rotary embedding
+computed for the positions: q·cos + rotate_half(q)·sin. The output of the last module before the
+rotation is the pre-RoPE query a forward hook can read, and the decoder's rotary embedding module
+gives (cos, sin) for any positions, future ones included.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.errors import KvtoolError
+
+
+@dataclass(frozen=True)
+class QueryTap:
+    """One attention layer's pre-RoPE query: `module`'s forward output, [B, n, Hq, D] once `shape`d."""
+
+    module: torch.nn.Module
+    heads: int
+    head_dim: int
+
+    def shape(self, output: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The output of a forward over `tokens` positions as [B, n, Hq, D]: models normalise the
+        query before or after moving the heads first (Qwen3 [B, n, Hq, D], Gemma 3 [B, Hq, n, D]),
+        or over the whole projection ([B, n, Hq * D])."""
+        if output.dim() == 4 and output.shape[1] == self.heads and output.shape[2] == tokens:
+            if tokens == self.heads:
+                raise KvtoolError(f"internal: a query of {tokens} positions and {tokens} heads has no telling layout")
+            return output.transpose(1, 2)
+        return output.reshape(output.shape[0], tokens, self.heads, self.head_dim)
+
+
+def _decoder(model) -> torch.nn.Module:
+    """The text decoder: the module holding the decoder layers and their rotary embedding."""
+    for module in model.modules():
+        if isinstance(getattr(module, "layers", None), torch.nn.ModuleList) and hasattr(module, "rotary_emb"):
+            return module
+    raise KvtoolError(f"{type(model).__name__}: cannot find its decoder's rotary embedding (expected-attention needs RoPE)")
+
+
+def _check_rope(model) -> None:
+    text = model.config.get_text_config(decoder=True)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    sections = [rope.get("mrope_section")] if isinstance(rope, dict) else []
+    if any(sections):
+        raise KvtoolError(
+            f"{model.config.model_type}: multimodal RoPE (3-D positions) is not supported by the expected-attention scorer"
+        )
+
+
+def query_taps(model) -> dict[int, QueryTap]:
+    """Every decoder layer's pre-RoPE query tap, by layer index."""
+    _check_rope(model)
+    taps = {}
+    for index, block in enumerate(_decoder(model).layers):
+        attn = getattr(block, "self_attn", None)
+        if attn is None or not hasattr(attn, "q_proj"):
+            raise KvtoolError(f"{type(model).__name__}: layer {index} has no q_proj (expected-attention needs one)")
+        head_dim = int(attn.head_dim)
+        heads = attn.q_proj.out_features // head_dim
+        taps[index] = QueryTap(getattr(attn, "q_norm", None) or attn.q_proj, heads, head_dim)
+    return taps
+
+
+@dataclass(frozen=True)
+class FutureRotation:
+    """RoPE of one layer averaged over the `span` positions after each row's prompt."""
+
+    rotary: torch.nn.Module
+    layer_type: str | None
+    scaling: float  # the attention module's logit scale (1/sqrt(d), or Gemma's query_pre_attn_scalar)
+
+    def mean(self, start: torch.Tensor, span: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, D], [B, D]): cos and sin averaged over positions start[b] ... start[b] + span - 1
+        (the rotary module's attention scaling included, as it multiplies every query)."""
+        positions = start.long()[:, None] + torch.arange(span, device=start.device)
+        probe = torch.zeros(1, device=start.device, dtype=torch.float32)
+        args = (probe, positions) if self.layer_type is None else (probe, positions, self.layer_type)
+        cos, sin = self.rotary(*args)
+        return cos.to(dtype).mean(dim=1), sin.to(dtype).mean(dim=1)
+
+
+def future_rotations(model) -> dict[int, FutureRotation]:
+    """Every decoder layer's `FutureRotation`, by layer index."""
+    _check_rope(model)
+    decoder = _decoder(model)
+    rotary = decoder.rotary_emb
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters
+    text = model.config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    out = {}
+    for index, block in enumerate(decoder.layers):
+        attn = block.self_attn
+        layer_type = (types[index] if types else "full_attention") if typed else None
+        scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))
+        out[index] = FutureRotation(rotary, layer_type, scaling)
+    return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' RoPE pairing: dimension i turns with dimension i + D/2."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin along the last dimension: RoPE, or its average over positions."""
+    return x * cos + rotate_half(x) * sin
+

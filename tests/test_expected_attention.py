@@ -1,0 +1,102 @@
+"""The expected-attention scorer against a float64 brute force, and against a real model's attention:
+with the statistics of one known query (its mean, zero covariance, one future position) it is that
+query's attention, so the tap, RoPE's pairing, its base per layer type and the logit scale are right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtool.models.queries import future_rotations, query_taps
+from kvtool.runtime.importance import LayerQueries, expected_scores
+from tiny_models import prompts, tiny_gemma3, tiny_llama
+
+
+def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The D x D matrix of x -> x*cos + rotate_half(x)*sin."""
+    dim = cos.shape[-1]
+    half = dim // 2
+    turn = torch.zeros(dim, dim, dtype=torch.float64)
+    turn[:half, half:] = -torch.eye(half, dtype=torch.float64)  # rotate_half: first half gets -x2
+    turn[half:, :half] = torch.eye(half, dtype=torch.float64)
+    return torch.diag(cos) + torch.diag(sin) @ turn
+
+
+def brute_force(keys, values, valid, mean, cov, rotation, future):
+    bsz, kv_heads, n, dim = keys.shape
+    heads = mean.shape[0]
+    out = torch.zeros(bsz, kv_heads, n, dtype=torch.float64)
+    for b in range(bsz):
+        start = int(valid[b].sum())
+        positions = torch.arange(start, start + future)[None]
+        cos, sin = rotation.rotary(torch.zeros(1), positions, *(() if rotation.layer_type is None else (rotation.layer_type,)))
+        turn = sum(rotation_matrix(cos[0, t].double(), sin[0, t].double()) for t in range(future)) / future
+        real = [j for j in range(n) if valid[b, j]]
+        norms = {h: torch.stack([values[b, h, j].double().norm() for j in real]) for h in range(kv_heads)}
+        for q in range(heads):
+            h = q // (heads // kv_heads)
+            mu, sigma = turn @ mean[q].double(), turn @ cov[q].double() @ turn.T
+            s = rotation.scaling
+            logits = torch.stack([s * mu @ keys[b, h, j].double() + s * s / 2 * keys[b, h, j].double() @ sigma @ keys[b, h, j].double() for j in real])
+            probs = torch.softmax(logits, dim=0)
+            out[b, h, real] += probs / (heads // kv_heads) * norms[h] / norms[h].mean()
+    return out
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_expected_scores_match_a_float64_brute_force(make):
+    model = make()
+    layer = next(i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["full_attention"] * 3) if t == "full_attention")
+    rotation = future_rotations(model)[layer]
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.model.layers[layer].self_attn.head_dim
+    keys = torch.randn(2, kv_heads, 9, dim, generator=g, dtype=torch.float64)
+    values = torch.randn(2, kv_heads, 9, dim, generator=g, dtype=torch.float64)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    mean = torch.randn(heads, dim, generator=g, dtype=torch.float64)
+    root = torch.randn(heads, dim, dim, generator=g, dtype=torch.float64) / dim
+    cov = root @ root.transpose(-1, -2)
+    queries = LayerQueries(mean, cov, rotation, future=5)
+    got = expected_scores(keys, values, valid, queries)
+    want = brute_force(keys, values, valid, mean, cov, rotation, 5)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert bool((got[1, :, :3] == 0).all())
+    assert float(got.max()) <= 9  # at most n: selection's protected classes rank above it
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_one_known_query_gives_its_own_attention(make):
+    model = make()
+    model.set_attn_implementation("eager")
+    config = model.config
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = [i for i, t in enumerate(types) if t == "full_attention"]
+    (tokens,) = prompts([12])
+    captured = {}
+    taps = query_taps(model)
+    hooks = [
+        taps[i].module.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, taps[i].shape(out, 12)))
+        for i in layers
+    ]
+    try:
+        with torch.no_grad():
+            out = model(tokens[None], output_attentions=True, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    rotations = future_rotations(model)
+    cache = out.past_key_values
+    for i in layers:
+        # Keys of the first 11 tokens; the 12th token's query is the "future" one at position 11.
+        keys, values = cache.layers[i].keys[:, :, :11], cache.layers[i].values[:, :, :11]
+        query = captured[i][0, 11]  # [Hq, D], pre-RoPE
+        heads = query.shape[0]
+        queries = LayerQueries(query, torch.zeros(heads, query.shape[1], query.shape[1], dtype=query.dtype), rotations[i], future=1)
+        got = expected_scores(keys, values, torch.ones(1, 11, dtype=torch.bool), queries)
+        attention = out.attentions[i][0, :, 11, :11].double()  # [Hq, 11]
+        attention = attention / attention.sum(dim=-1, keepdim=True)  # over the prompt's columns, as the scorer
+        kv_heads = keys.shape[1]
+        expected = attention.view(kv_heads, heads // kv_heads, 11).mean(dim=1)
+        norm = values[0].double().norm(dim=-1)
+        torch.testing.assert_close(got[0], expected * norm / norm.mean(dim=-1, keepdim=True), rtol=1e-7, atol=1e-10)

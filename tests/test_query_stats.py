@@ -1,0 +1,140 @@
+"""Per-head query statistics: recorded by calibration, saved beside the profile, refused when wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kvtool.calibrate.queries import record_query_stats
+from kvtool.errors import KvtoolError
+from kvtool.models.forward import with_cache
+from kvtool.models.queries import query_taps
+from kvtool.profiles import MethodSettings, read_profile, save_profile
+from kvtool.profiles.queries import QueryStats, sidecar_path
+from kvtool.runtime import attach, uniform_profile
+from kvtool.scoring import make_batches
+from test_profiles import assert_one_line_error, make_profile
+from tiny_models import prompts, tiny_gemma3, tiny_llama
+
+
+def stats_for(profile, seed: int = 0) -> QueryStats:
+    g = torch.Generator().manual_seed(seed)
+    heads, dim = profile.model.num_attention_heads, profile.model.head_dim
+    root = torch.randn(3, heads, dim, dim, generator=g)
+    return QueryStats((0, 1, 2), torch.randn(3, heads, dim, generator=g), root @ root.transpose(-1, -2), queries=1234)
+
+
+def saved(tmp_path: Path):
+    profile = make_profile()
+    stats = stats_for(profile)
+    path = save_profile(dataclasses.replace(profile, query_stats=stats), tmp_path / "p.yaml")
+    return path, stats
+
+
+def test_statistics_round_trip_beside_the_profile(tmp_path: Path) -> None:
+    path, stats = saved(tmp_path)
+    assert sidecar_path(path).exists()
+    document = yaml.safe_load(path.read_text())
+    assert document["queries"]["file"] == "p.queries.safetensors"
+    assert document["queries"]["future_positions"] == 512
+    loaded = read_profile(path)
+    assert loaded.query_stats.layers == (0, 1, 2) and loaded.query_stats.queries == 1234
+    torch.testing.assert_close(loaded.query_stats.mean, stats.mean)
+    # Covariances are stored in float16: a relative error of float16's precision.
+    torch.testing.assert_close(loaded.query_stats.cov.float(), stats.cov, rtol=1e-3, atol=1e-3)
+
+
+def test_a_profile_without_statistics_writes_no_sidecar(tmp_path: Path) -> None:
+    path = save_profile(make_profile(), tmp_path / "p.yaml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+    assert "queries" not in yaml.safe_load(path.read_text())
+    assert read_profile(path).query_stats is None
+
+
+def test_an_altered_sidecar_is_refused_in_one_line(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    side = sidecar_path(path)
+    data = bytearray(side.read_bytes())
+    data[-1] ^= 1
+    side.write_bytes(bytes(data))
+    with pytest.raises(KvtoolError) as info:
+        read_profile(path)
+    assert_one_line_error(info.value, "SHA-256")
+
+
+def test_a_missing_sidecar_is_refused_in_one_line(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    sidecar_path(path).unlink()
+    with pytest.raises(KvtoolError) as info:
+        read_profile(path)
+    assert_one_line_error(info.value, "query statistics", "p.queries.safetensors")
+
+
+def test_statistics_of_another_shape_are_refused(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    document = yaml.safe_load(path.read_text())
+    document["model"]["num_attention_heads"] = 4  # the sidecar still says 8
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    with pytest.raises(KvtoolError) as info:
+        read_profile(path)
+    assert_one_line_error(info.value, "8 query heads", "4")
+
+
+def test_a_sidecar_outside_the_profiles_folder_is_refused(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    document = yaml.safe_load(path.read_text())
+    document["queries"]["file"] = "../elsewhere.safetensors"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    with pytest.raises(KvtoolError) as info:
+        read_profile(path)
+    assert_one_line_error(info.value, "beside the profile")
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_recorded_statistics_are_the_real_rows_mean_and_covariance(make) -> None:
+    """A padded batch records exactly its real rows: the same statistics as the prompts one by one,
+    and those are the brute-force mean and covariance of the hooked queries."""
+    model = make()
+    seqs = prompts([9, 14])
+    batch = make_batches([s.tolist() for s in seqs], 2, 0)
+    stats = record_query_stats(model, batch)
+    singles = make_batches([s.tolist() for s in seqs], 1, 0)
+    alone = record_query_stats(model, singles)
+    torch.testing.assert_close(stats.mean, alone.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.cov, alone.cov, rtol=1e-5, atol=1e-6)
+    assert stats.queries == 23
+    layer = stats.layers[-1]
+    tap = query_taps(model)[layer]
+    rows = []
+    hook = tap.module.register_forward_hook(lambda m, a, out: rows.append(tap.shape(out, out_len[0])))
+    try:
+        for s in seqs:
+            out_len = [len(s)]
+            with torch.no_grad():
+                model(s[None])
+    finally:
+        hook.remove()
+    queries = torch.cat([r[0] for r in rows]).double()  # [23, Hq, D]
+    mean = queries.mean(dim=0)
+    centred = queries - mean
+    cov = torch.einsum("mhd,mhe->hde", centred, centred) / queries.shape[0]
+    torch.testing.assert_close(stats.mean[-1].double(), mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.cov[-1].double(), cov, rtol=1e-5, atol=1e-6)
+    types = getattr(model.config, "layer_types", None)
+    assert stats.layers == tuple(i for i in range(model.config.num_hidden_layers) if not types or types[i] == "full_attention")
+
+
+def test_expected_attention_without_statistics_is_a_one_line_error() -> None:
+    model = tiny_llama()
+    profile = uniform_profile(model, 0.3, MethodSettings(scorer="expected-attention"))
+    handle = attach(model, profile)
+    try:
+        with pytest.raises(KvtoolError) as info, torch.no_grad():
+            model(prompts([20])[0][None], **with_cache(model, handle.new_cache()))
+    finally:
+        handle.detach()
+    assert_one_line_error(info.value, "query statistics")
