@@ -138,3 +138,66 @@ def test_expected_attention_without_statistics_is_a_one_line_error() -> None:
     finally:
         handle.detach()
     assert_one_line_error(info.value, "query statistics")
+
+
+def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path) -> None:
+    """Calibration records the statistics, ships them with a profile whose scorer reads them, and the
+    loaded profile generates as the one calibration returned."""
+    from kvtool.calibrate.recipes import SearchSpace
+    from kvtool.calibrate.runner import calibrate
+    from kvtool.runtime import load_profile
+    from test_calibrate import loaded, word_prompts
+
+    model = tiny_llama(dtype=torch.float32)
+    space = SearchSpace(
+        evictions=("tova",), selections=("importance",), scorers=("expected-attention",), ratio_sources=("uniform",),
+        heads=("shared",), recent_shares=(0.0,), merge_modes=("none",), distances=(0,), seeds=(),
+    )
+    start = MethodSettings(scorer="expected-attention", eviction="tova", merge="none", ratios="uniform")
+    run = calibrate(
+        loaded(model), 0.3, data=word_prompts(4), samples=4, seed=1, reference_tokens=4, candidates=(0,),
+        search=space, method=start, draft=None, out=tmp_path / "ea.yaml",
+    )
+    assert run.profile.method.scorer == "expected-attention" and run.profile.query_stats is not None
+    assert sidecar_path(tmp_path / "ea.yaml").exists()
+    profile = load_profile(tmp_path / "ea.yaml")
+    torch.testing.assert_close(profile.query_stats.mean, run.profile.query_stats.mean)
+    ids = prompts([40])[0][None]
+    outputs = []
+    for p in (run.profile, profile):
+        with torch.no_grad(), attach(model, p) as handle:
+            outputs.append(handle.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False))
+    # Float16 covariances change scores only in their last digits: the same tokens are kept.
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_models_the_scorer_cannot_run_on_are_named() -> None:
+    from kvtool.models.queries import unsupported
+    from tiny_vlms import tiny_gemma3_vlm, tiny_llava, tiny_qwen2_vl
+
+    assert "multimodal RoPE" in unsupported(tiny_qwen2_vl().model)
+    for model in (tiny_llama(), tiny_gemma3(), tiny_llava().model, tiny_gemma3_vlm().model):
+        assert unsupported(model) is None
+
+
+def test_calibration_leaves_the_scorer_out_where_it_cannot_run(monkeypatch) -> None:
+    """The search tries every scorer the model can run; asking for this one there is a one-line error."""
+    import kvtool.calibrate.runner as runner
+    from kvtool.calibrate.recipes import SearchSpace
+    from test_calibrate import loaded, word_prompts
+
+    monkeypatch.setattr(runner, "unsupported", lambda model: "tiny: no RoPE the scorer can read")
+    model = loaded(tiny_llama(dtype=torch.float32))
+    space = SearchSpace(
+        evictions=("tova",), selections=("importance",), scorers=("attention-sum", "expected-attention"),
+        ratio_sources=("uniform",), heads=("shared",), recent_shares=(0.0,), merge_modes=("none",), distances=(0,), seeds=(),
+    )
+    run = runner.calibrate(model, 0.3, data=word_prompts(4), samples=4, seed=1, reference_tokens=4, candidates=(0,), search=space)
+    assert {t.scorer for t in run.profile.calibration.recipes} == {"attention-sum"}
+    with pytest.raises(KvtoolError) as info:
+        runner.calibrate(model, 0.3, data=word_prompts(4), samples=4, reference_tokens=4, candidates=(0,), search=space,
+                         method=MethodSettings(scorer="expected-attention"))
+    assert_one_line_error(info.value, "no RoPE the scorer can read")
+    with pytest.raises(KvtoolError):
+        runner.calibrate(model, 0.3, data=word_prompts(4), samples=4, reference_tokens=4, candidates=(0,),
+                         search=dataclasses.replace(space, scorers=("expected-attention",)))

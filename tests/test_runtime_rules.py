@@ -276,10 +276,15 @@ RATIOS = [0.3, 0.5, 0.2]
 
 
 def rules_plans(profile, **changes) -> list:
+    """`profile`'s plans with `changes`; `queries` (a dict by layer, from `random_queries`) goes to each layer."""
     evict = changes.pop("evict", None)
     if evict is not None:
         changes["evict"] = evict_rule(evict)
-    return [None if p is None else dataclasses.replace(p, **changes) for p in layer_plans(profile)]
+    queries = changes.pop("queries", {})
+    return [
+        None if p is None else dataclasses.replace(p, **changes, queries=queries.get(i))
+        for i, p in enumerate(layer_plans(profile))
+    ]
 
 
 def recipe_profile(model, ratios=RATIOS, merge="none"):
@@ -536,6 +541,8 @@ BATCH_CASES = {
     "shared-union85-h2o": dict(scorer="union", window=4, pool=3, evict="heavy-hitter", window_share=0.85),
     "per-head-union-h2o-window": dict(heads="per-head", scorer="union", window=8, pool=7, evict="heavy-hitter-window"),
     "shared-sum-h2o-window": dict(window=4, pool=3, evict="heavy-hitter-window"),
+    "per-head-expected-tova": dict(heads="per-head", scorer="expected-attention", evict="tova", queries=True),
+    "shared-expected-fixed-point": dict(scorer="expected-attention", queries=True),
 }
 
 
@@ -543,7 +550,10 @@ BATCH_CASES = {
 def test_padded_batch_equals_single_runs(llama, case):
     seqs = prompts([61, 37, 50], seed=3)
     profile = recipe_profile(llama, merge="position" if case == "per-head-sum-sliding" else "none")
-    plans = rules_plans(profile, **BATCH_CASES[case])
+    changes = dict(BATCH_CASES[case])
+    if changes.get("queries"):
+        changes["queries"] = random_queries(llama)
+    plans = rules_plans(profile, **changes)
     new = 20
     with torch.no_grad(), attach(llama, profile):
         batch = llama.generate(**left_pad(seqs), max_new_tokens=new, **with_cache(llama, KvtoolCache(llama.config, plans)), **GREEDY)

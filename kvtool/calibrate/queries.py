@@ -54,9 +54,14 @@ def record_query_stats(
         with torch.inference_mode():
             for batch in batches:
                 current["valid"] = batch.attention_mask.to(device).bool()
+                # Pixel inputs (vision-language prompts) in the model's dtype, as the prompt forward passes them.
+                extras = {
+                    key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
+                    for key, value in batch.extras.items()
+                }
                 model(
                     input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                    position_ids=batch.position_ids.to(device), use_cache=False, logits_to_keep=1,
+                    position_ids=batch.position_ids.to(device), use_cache=False, logits_to_keep=1, **extras,
                 )
                 count += int(current["valid"].sum())
                 if on_batch is not None:

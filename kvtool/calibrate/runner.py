@@ -36,6 +36,7 @@ from kvtool.data.long_prompts import long_prompts
 from kvtool.errors import KvtoolError
 from kvtool.files import check_writable
 from kvtool.models.loader import as_loaded
+from kvtool.models.queries import unsupported
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
 from kvtool.profiles.schema import QUERY_SCORERS
 from kvtool.scoring import encode_batches
@@ -141,6 +142,12 @@ def calibrate(
         chosen, choosing, confirming = long(chosen), long(choosing), long(confirming)
         config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * config.long_prompt_tokens))
     method = config.method
+    reason = unsupported(loaded.model)
+    runnable = () if space is None else tuple(s for s in space.scorers if s not in QUERY_SCORERS)
+    if reason is not None and (method.scorer in QUERY_SCORERS or (space is not None and not runnable)):
+        raise KvtoolError(reason)
+    if reason is not None and space is not None:  # the search tries every scorer this model can run
+        space = replace(space, scorers=runnable)
     batches, answers = encode_halves(loaded, choosing, confirming, config)
 
     # Statistics under every scorer the search may reach (window: each window and pool width, the

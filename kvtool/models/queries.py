@@ -45,14 +45,23 @@ def _decoder(model) -> torch.nn.Module:
     raise KvtoolError(f"{type(model).__name__}: cannot find its decoder's rotary embedding (expected-attention needs RoPE)")
 
 
-def _check_rope(model) -> None:
+def unsupported(model) -> str | None:
+    """Why the expected-attention scorer cannot run on `model` (one line), or None."""
     text = model.config.get_text_config(decoder=True)
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    sections = [rope.get("mrope_section")] if isinstance(rope, dict) else []
-    if any(sections):
-        raise KvtoolError(
-            f"{model.config.model_type}: multimodal RoPE (3-D positions) is not supported by the expected-attention scorer"
-        )
+    if isinstance(rope, dict) and rope.get("mrope_section"):
+        return f"{model.config.model_type}: multimodal RoPE (3-D positions) is not supported by the expected-attention scorer"
+    try:
+        _decoder(model)
+    except KvtoolError as error:
+        return str(error)
+    return None
+
+
+def _check_rope(model) -> None:
+    reason = unsupported(model)
+    if reason is not None:
+        raise KvtoolError(reason)
 
 
 def query_taps(model) -> dict[int, QueryTap]:
