@@ -35,7 +35,8 @@ def write_atomic(
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.NamedTemporaryFile(
-            "wb" if binary else "w", encoding=None if binary else "utf-8", dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp", delete=False
+            "wb" if binary else "w", encoding=None if binary else "utf-8",
+            dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp", delete=False,
         )
     except OSError as exc:
         raise _write_error(dest, what, exc) from exc

@@ -201,3 +201,14 @@ def test_calibration_leaves_the_scorer_out_where_it_cannot_run(monkeypatch) -> N
     with pytest.raises(KvtoolError):
         runner.calibrate(model, 0.3, data=word_prompts(4), samples=4, reference_tokens=4, candidates=(0,),
                          search=dataclasses.replace(space, scorers=("expected-attention",)))
+
+
+def test_a_tap_reads_every_query_layout_even_with_as_many_positions_as_heads() -> None:
+    from kvtool.models.queries import QueryTap
+
+    tap = QueryTap(torch.nn.Identity(), heads=4, head_dim=3)
+    for tokens in (4, 7):
+        q = torch.randn(2, tokens, 4, 3)  # [B, n, Hq, D]
+        assert torch.equal(tap.shape(q, tokens), q)
+        assert torch.equal(tap.shape(q.reshape(2, tokens, 12), tokens), q)  # the bare projection
+        assert torch.equal(tap.shape(q.transpose(1, 2) * 1.0, tokens), q)  # heads first (Gemma 3), a norm's output

@@ -31,9 +31,10 @@ class QueryTap:
         query before or after moving the heads first (Qwen3 [B, n, Hq, D], Gemma 3 [B, Hq, n, D]),
         or over the whole projection ([B, n, Hq * D])."""
         if output.dim() == 4 and output.shape[1] == self.heads and output.shape[2] == tokens:
-            if tokens == self.heads:
-                raise KvtoolError(f"internal: a query of {tokens} positions and {tokens} heads has no telling layout")
-            return output.transpose(1, 2)
+            # As many positions as heads: the layout shows in the strides, as a heads-first query is
+            # the projection's [B, n, Hq, D] transposed (and a norm keeps its input's strides).
+            if tokens != self.heads or output.stride(1) < output.stride(2):
+                return output.transpose(1, 2)
         return output.reshape(output.shape[0], tokens, self.heads, self.head_dim)
 
 
@@ -122,4 +123,3 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x·cos + rotate_half(x)·sin along the last dimension: RoPE, or its average over positions."""
     return x * cos + rotate_half(x) * sin
-
