@@ -18,6 +18,7 @@ import torch
 from kvtool.models.queries import query_taps
 from kvtool.profiles.fingerprint import SLIDING_ATTENTION
 from kvtool.profiles.queries import FUTURE_POSITIONS, QueryStats
+from kvtool.runtime.steps import prompt_extras
 from kvtool.scoring import Batch
 
 
@@ -54,11 +55,7 @@ def record_query_stats(
         with torch.inference_mode():
             for batch in batches:
                 current["valid"] = batch.attention_mask.to(device).bool()
-                # Pixel inputs (vision-language prompts) in the model's dtype, as the prompt forward passes them.
-                extras = {
-                    key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
-                    for key, value in batch.extras.items()
-                }
+                extras = prompt_extras(model, batch)  # a vision-language prompt's pixels, as its prompt forward
                 model(
                     input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                     position_ids=batch.position_ids.to(device), use_cache=False, logits_to_keep=1, **extras,

@@ -72,14 +72,19 @@ def prompt_forward(model: Any, prompt: Prompt, cache: Any) -> torch.Tensor:
     return prompt_logits(model, prompt, cache, 1)[:, -1]
 
 
+def prompt_extras(model: Any, prompt: Prompt) -> dict[str, torch.Tensor]:
+    """The prompt-only inputs on the model's device: pixels (vision-language prompts) in its dtype,
+    index tensors as they are."""
+    return {
+        key: value.to(device=model.device, dtype=model.dtype) if value.is_floating_point() else value.to(model.device)
+        for key, value in prompt.extras.items()
+    }
+
+
 def prompt_logits(model: Any, prompt: Prompt, cache: Any, keep: int) -> torch.Tensor:
     """The prompt forward of `prompt` into `cache`; returns the logits of its last `keep` positions [B, keep, V]."""
     device = model.device
-    # Pixel inputs (vision-language prompts) in the model's dtype; index tensors as they are.
-    extras = {
-        key: value.to(device=device, dtype=model.dtype) if value.is_floating_point() else value.to(device)
-        for key, value in prompt.extras.items()
-    }
+    extras = prompt_extras(model, prompt)
     # Only the last `keep` positions' logits are needed; the full [B, W, vocab] tensor is most of
     # a small model's prompt cost.
     out = model(
