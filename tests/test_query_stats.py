@@ -74,24 +74,25 @@ def test_a_missing_sidecar_is_refused_in_one_line(tmp_path: Path) -> None:
     assert_one_line_error(info.value, "query statistics", "p.queries.safetensors")
 
 
-def test_statistics_of_another_shape_are_refused(tmp_path: Path) -> None:
+def refusal_after_editing(tmp_path: Path, section: str, key: str, value) -> KvtoolError:
+    """The error reading a saved profile gives once its YAML's `section.key` says `value`."""
     path, _ = saved(tmp_path)
     document = yaml.safe_load(path.read_text())
-    document["model"]["num_attention_heads"] = 4  # the sidecar still says 8
+    document[section][key] = value
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     with pytest.raises(KvtoolError) as info:
         read_profile(path)
-    assert_one_line_error(info.value, "8 query heads", "4")
+    return info.value
+
+
+def test_statistics_of_another_shape_are_refused(tmp_path: Path) -> None:
+    error = refusal_after_editing(tmp_path, "model", "num_attention_heads", 4)  # the sidecar still says 8
+    assert_one_line_error(error, "8 query heads", "4")
 
 
 def test_a_sidecar_outside_the_profiles_folder_is_refused(tmp_path: Path) -> None:
-    path, _ = saved(tmp_path)
-    document = yaml.safe_load(path.read_text())
-    document["queries"]["file"] = "../elsewhere.safetensors"
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    with pytest.raises(KvtoolError) as info:
-        read_profile(path)
-    assert_one_line_error(info.value, "beside the profile")
+    error = refusal_after_editing(tmp_path, "queries", "file", "../elsewhere.safetensors")
+    assert_one_line_error(error, "beside the profile")
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
