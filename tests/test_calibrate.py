@@ -728,7 +728,7 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
                  Draft(8, 1, True): 1.8, None: 1.1}
     measured = []
 
-    def canned(model, profile, prompts, repeats=cost.REPEATS):
+    def canned(model, profile, prompts, repeats=cost.REPEATS, limit=None):
         measured.append(profile.method.draft)
         return overheads[profile.method.draft]
 
@@ -748,6 +748,15 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
     assert unlimited.calibration.prompt_overhead == 5.0 and unlimited.calibration.max_prompt_overhead is None
     with pytest.raises(KvtoolError, match="max-prompt-overhead must be a number >= 1"):
         run(0.5)
+
+
+def test_prompt_cost_repeats_stop_once_the_ratios_are_clear_of_the_limit() -> None:
+    """Repeating a timing only matters where it could move the draft across the limit."""
+    from kvtool.calibrate.cost import CLEAR_OF_LIMIT, clear
+
+    assert clear([4.0 / CLEAR_OF_LIMIT], 4.0) and clear([4.0 * CLEAR_OF_LIMIT, 9.0], 4.0)
+    assert not clear([4.0 / CLEAR_OF_LIMIT + 0.01], 4.0) and not clear([1.0, 7.0], 4.0)
+    assert not clear([1.0], None) and not clear([], 4.0)
 
 
 def test_recorded_rows_give_the_recorded_window_and_any_shorter_one() -> None:
