@@ -402,6 +402,55 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward(recipe) -> 
             handle.detach()
 
 
+@pytest.mark.parametrize("window,sinks", [(7, 0), (5, 0), (4, 1), (3, 2)])
+def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, sinks) -> None:
+    """The window stage builds every rung's cache from the full pass's record: the sliding layers'
+    kept entries (sinks included, which transformers' own layer no longer holds) and every decode
+    step must match a prompt forward through that rung's cache (tiny Gemma 3's own window: 7 entries)."""
+    from kvtool.calibrate.truncation import compress_recorded_prompt
+    from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
+    from kvtool.scoring import left_pad
+    from tiny_models import profile_with
+
+    model = tiny_gemma3(seed=6)
+    gen = torch.Generator().manual_seed(2)
+    batch = left_pad([torch.randint(3, 90, (n,), generator=gen).tolist() for n in (30, 19, 25)], (0, 1, 2), pad_id=0)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+    base = profile_with(model, [1.0, 0.4, 1.0, 0.3])
+    profile = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(layer, window=window, sinks=sinks, compress=False, ratio=1.0) if kind == "sliding_attention" else layer
+        for kind, layer in zip(base.model.layer_types, base.layers)
+    ))
+    with torch.inference_mode():
+        recording = attach(model, uniform_profile(model, 1.0))
+        full = recording.new_cache(record_importance=True)
+        model(**inputs, **with_cache(model, full), use_cache=True)
+        recording.detach()
+        assert all(isinstance(full.layers[i], RecordedWindowLayer) for i in (0, 2))
+        handle = attach(model, profile)
+        real = handle.new_cache()
+        model(**inputs, **with_cache(model, real), use_cache=True)
+        replayed = compress_recorded_prompt(handle.new_cache(), full, batch.attention_mask)
+        for index in range(4):
+            a, b = real.layers[index], replayed.layers[index]
+            if index % 2 == 0 and (window, sinks) == (7, 0):
+                continue  # the model's own window: transformers' layer stands in, entry for entry (decoding below)
+            assert type(a) is type(b)
+            if hasattr(a, "valid"):
+                assert torch.equal(a.valid, b.valid) and torch.equal(a.order, b.order)
+                assert torch.allclose(a.keys, b.keys) and torch.allclose(a.values, b.values)
+        mask, position = batch.attention_mask, batch.next_positions
+        token = torch.tensor([[5], [6], [7]])
+        for _ in range(10):  # past the windows' first evictions
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+            step = {"input_ids": token, "attention_mask": mask, "position_ids": position, "use_cache": True}
+            a = model(**step, **with_cache(model, real)).logits[:, -1]
+            b = model(**step, **with_cache(model, replayed)).logits[:, -1]
+            assert torch.allclose(a, b, atol=1e-9)
+            token, position = a.argmax(dim=-1, keepdim=True), position + 1
+        handle.detach()
+
+
 def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
     """The recipe search runs a stage's recipes as blocks of one batch (runtime.grouped): every
     block must decode, evict and score as its cache would alone, sliding-window layers included."""

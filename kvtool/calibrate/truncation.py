@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvtool.errors import KvtoolError
+from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
 from kvtool.scoring import Batch, NllTotal, References, StepHook, teacher_forced_nll
 
@@ -74,8 +75,9 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
     recorded scores (every kind: column sums, per head, observation window) hold what `target`'s
     layers would compute, whatever their scorer and head mode, so each compressing layer is handed both
     and compresses as in that forward. This saves calibration a second forward over every
-    prompt; a test checks the result against a real compressed prompt forward. Layers kvtool
-    leaves alone (sliding windows) are copied as they are. The prompt's image-token mask (set on
+    prompt; a test checks the result against a real compressed prompt forward. A sliding layer
+    that keeps the model's own window is copied as transformers' layer; one with a window of its own
+    is cut from the whole prompt the record kept (`RecordedWindowLayer`). The prompt's image-token mask (set on
     `full` by the forward of a vision-language model) goes along, so rules such as `text-prior`
     and the kept-image counts see the image positions as in a real forward.
     """
@@ -85,6 +87,17 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
     compressing = target.compressing_layers()
     for index, source in enumerate(full.layers):
         layer = compressing.get(index)
+        if isinstance(source, RecordedWindowLayer) and layer is not None and (
+            layer.plan.cap != layer.plan.native_window or layer.plan.sink_tokens
+        ):
+            # A window of its own: cut from the whole prompt, as the prompt forward would have.
+            keys, values = source.prompt
+            layer.update(keys.clone(), values.clone())
+            layer.compress_prompt(mask, None)
+            continue
+        if isinstance(source, RecordedWindowLayer):
+            target.layers[index] = source.native()  # the model's own window: transformers' layer as it is
+            continue
         if layer is not None and not hasattr(source, "prompt_scores"):
             # A sliding layer recorded as transformers keeps it: a draft's profile makes it kvtool's at the
             # model's own window (attach.layer_plans), which holds the same entries; a shorter one does not.

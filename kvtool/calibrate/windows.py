@@ -4,9 +4,11 @@ A sliding-window layer can keep a shorter window (its first tokens and the most 
 engines accept per layer) and every entry it gives up goes to the full-attention layers
 (`profiles.whole_cache`). Which split loses least is measured, not assumed: every window of a ladder
 (the model's own, half and a quarter of it, 64, 32) whose split the budget can pay for is run
-as it will ship, its prompt forward and the references teacher-forced through the cache, on the
-prompts that chose the recipe; the lowest PPL wins, and the held-out prompts report it beside the
-model's own windows' (or the widest that fits).
+as it will ship on the prompts that chose the recipe: each batch's recorded prompt cut to the split
+(`truncation.compress_recorded_prompt`: the prompt's attention is the model's own window whatever a
+layer keeps afterwards, so the full pass's record serves every rung), then the references
+teacher-forced through it, the rungs side by side (`passes.recipe_ppls`). The lowest PPL wins, and
+the held-out prompts report it beside the model's own windows' (or the widest that fits).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtool.calibrate.passes import Progress, PromptState, _Counter, drafted_ppls, reference_steps
+from kvtool.calibrate.passes import Progress, PromptState, _Counter, recipe_ppls, reference_steps
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile
 from kvtool.profiles import whole_cache
@@ -64,7 +66,7 @@ def choose_windows(
     windows = list(candidates)
     profiles = [replace(candidates[w], method=replace(candidates[w].method, draft=None)) for w in windows]
     bar = _Counter(STAGE_WINDOWS, reference_steps(choosing) * len(profiles), progress).start()
-    ppls = drafted_ppls(model, profiles, choosing, bar.step)
+    ppls = _side_by_side(model, profiles, choosing, bar.step)
     bar.finish()
     ppl = {w: round(float(p), 4) for w, p in zip(windows, ppls)}
     best = min(windows, key=lambda w: ppl[w])
@@ -72,7 +74,20 @@ def choose_windows(
     if confirming:
         pair = [best] + ([windows[0]] if windows[0] != best else [])
         confirm = _Counter(STAGE_WINDOWS + ", held-out", reference_steps(confirming) * len(pair), progress).start()
-        got = drafted_ppls(model, [profiles[windows.index(w)] for w in pair], confirming, confirm.step)
+        got = _side_by_side(model, [profiles[windows.index(w)] for w in pair], confirming, confirm.step)
         confirm.finish()
         held_out = {w: round(float(p), 4) for w, p in zip(pair, got)}
     return WindowChoice(candidates[best], ppl, held_out)
+
+
+def _side_by_side(model: Any, profiles: Sequence[Profile], states: Sequence[PromptState], on_step) -> list[float]:
+    """`recipe_ppls` of `profiles`, run side by side where their sliding layers are of one kind: the
+    model's own window is transformers' layer, a shorter one kvtool's, and a grouped cache holds one
+    kind per layer index."""
+    kinds: dict[bool, list[int]] = {}
+    for i, profile in enumerate(profiles):
+        kinds.setdefault(whole_cache.profile_window(profile) is None, []).append(i)
+    ppl: dict[int, float] = {}
+    for members in kinds.values():
+        ppl.update(zip(members, recipe_ppls(model, [profiles[i] for i in members], states, on_step)))
+    return [ppl[i] for i in range(len(profiles))]

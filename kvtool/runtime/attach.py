@@ -212,7 +212,10 @@ class KvtoolHandle:
         plans = self._plans
         if record_importance:
             plans = [p if p is None else dataclasses.replace(p, record_importance=True) for p in plans]
-        return KvtoolCache(self.model.config, plans)
+        cache = KvtoolCache(self.model.config, plans)
+        if record_importance:
+            cache.record_sliding_prompts()
+        return cache
 
     def cache_for(self, profile: Profile) -> KvtoolCache:
         """A fresh cache that follows another profile of the same model (attention and hook serve

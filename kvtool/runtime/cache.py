@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from kvtool.errors import KvtoolError
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
 from kvtool.runtime.layer.held_prompt import HeldPrompt
+from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
 
 class KvtoolCache(DynamicCache):
@@ -30,6 +31,13 @@ class KvtoolCache(DynamicCache):
                 raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}, not the {expected.__name__} its plan is for")
             self.layers[i] = CompressingLayer(plan)
         self.image_mask: torch.Tensor | None = None  # [B, n] image-token positions of the prompt
+
+    def record_sliding_prompts(self) -> None:
+        """transformers' sliding layers keep the whole prompt they are handed too (calibration's
+        record: `layer.recorded_window`)."""
+        for i, layer in enumerate(self.layers):
+            if type(layer) is DynamicSlidingWindowLayer:
+                self.layers[i] = RecordedWindowLayer.replacing(layer)
 
     @property
     def awaiting_prompt(self) -> bool:

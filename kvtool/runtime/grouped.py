@@ -56,8 +56,8 @@ class RowShares:
 
 def _decodes_alike(layer: DynamicLayer):
     """What must match for two compressed layers to decode as one (None: the layer cannot merge)."""
-    if not isinstance(layer, CompressingLayer) or isinstance(layer.plan, RowShares):
-        return None
+    if not isinstance(layer, CompressingLayer) or isinstance(layer.plan, RowShares) or layer.plan.cap is not None:
+        return None  # a window-shaped layer's cap is its own: a per-row share cannot carry it
     return layer.decode_kind
 
 
