@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -213,3 +214,35 @@ def test_a_tap_reads_every_query_layout_even_with_as_many_positions_as_heads() -
         assert torch.equal(tap.shape(q, tokens), q)
         assert torch.equal(tap.shape(q.reshape(2, tokens, 12), tokens), q)  # the bare projection
         assert torch.equal(tap.shape(q.transpose(1, 2) * 1.0, tokens), q)  # heads first (Gemma 3), a norm's output
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_the_full_pass_learns_the_statistics_it_then_scores_by(make) -> None:
+    """With references, calibration learns the statistics in the full pass's own prompt forwards (no
+    forward of their own) and scores the kept prompt states afterwards: the statistics of plain
+    forwards (to rounding), the expected-attention curves of a pass handed them, and recorded scores
+    that compress a prompt as a pass handed them would."""
+    from kvtool.calibrate.passes import full_pass
+    from kvtool.calibrate.queries import QueryRecorder
+
+    model = make()
+    batches = make_batches([s.tolist() for s in prompts([19, 26, 23])], 2, 0)
+    answers = [[None] * len(b.rows) for b in batches]
+    expected = MethodSettings(scorer="expected-attention")
+    common = dict(reference_tokens=3, with_references=True, scorers=(MethodSettings(), expected))
+    tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 2})()
+    learned = full_pass(model, tokenizer, batches, answers, MethodSettings(), queries=QueryRecorder(model), **common)
+    stats = record_query_stats(model, batches)
+    torch.testing.assert_close(learned.query_stats.mean, stats.mean, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(learned.query_stats.cov, stats.cov, rtol=1e-6, atol=1e-8)
+    assert learned.query_stats.queries == stats.queries == 68
+    given = full_pass(model, tokenizer, batches, answers, MethodSettings(), query_stats=learned.query_stats, **common)
+    for key in ("attention-sum", "expected-attention"):
+        a, b = learned.stats_by_scorer[key], given.stats_by_scorer[key]
+        assert a.layers == b.layers
+        np.testing.assert_allclose(a.curves, b.curves, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(a.gini, b.gini, rtol=1e-9, atol=1e-12)
+    for ours, theirs in zip(learned.states, given.states):
+        for index, layer in ours.full_cache.compressing_layers().items():
+            other = theirs.full_cache.compressing_layers()[index]
+            torch.testing.assert_close(layer.prompt_scores.expected, other.prompt_scores.expected, rtol=1e-9, atol=1e-12)

@@ -9,6 +9,7 @@ and teacher-forces the references through copies of it, one per candidate D and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -17,13 +18,16 @@ from typing import Any
 
 import torch
 
+from kvtool.calibrate.queries import QueryRecorder
 from kvtool.calibrate.statistics import ImportanceStats, LayerImportance, PromptImages, batch_stats, combine
 from kvtool.calibrate.truncation import TruncationResult, TruncationScores, compress_recorded_prompt, score_candidates
+from kvtool.errors import KvtoolError
 from kvtool.models.loader import eos_token_ids
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.profiles.queries import QueryStats
-from kvtool.profiles.schema import WINDOW_SCORERS
+from kvtool.profiles.schema import QUERY_SCORERS, WINDOW_SCORERS
 from kvtool.runtime import attach, uniform_profile
+from kvtool.runtime.attach import layer_queries
 from kvtool.runtime.draft import prepare
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.importance import make_scorer
@@ -92,6 +96,8 @@ class FullPass:
     # The same statistics under every scorer calibration may choose, by `scorer_key` (stats is the
     # first scorer's).
     stats_by_scorer: dict[str, ImportanceStats] = dataclasses.field(default_factory=dict)
+    # The query statistics the expected-attention scorer read (given, or learned in this pass).
+    query_stats: QueryStats | None = None
 
 
 def recorded_importance(cache: Any, scorer: str = "attention-sum", method: MethodSettings | None = None) -> dict[int, LayerImportance]:
@@ -151,12 +157,18 @@ def full_pass(
     progress: Progress = no_progress,
     scorers: Sequence[MethodSettings] = (),
     query_stats: QueryStats | None = None,
+    queries: QueryRecorder | None = None,
 ) -> FullPass:
     """Importance of every prompt and, `with_references`, the references of every batch.
 
     Statistics are made for the scorer of each settings in `scorers` (default: `method`'s alone),
-    keyed by `scorer_key`; `query_stats` serve the expected-attention scorer."""
+    keyed by `scorer_key`; `query_stats` serve the expected-attention scorer. Without them, a
+    `queries` recorder learns them in these prompt forwards (`with_references` only): the recorded
+    prompt states are then scored by them once every batch has run (`FullPass.query_stats`)."""
     scorers = tuple({scorer_key(s): s for s in (scorers or (method,))}.items())
+    deferred = {key for key, s in scorers if s.scorer in QUERY_SCORERS} if queries is not None else set()
+    if queries is not None and (query_stats is not None or not with_references):
+        raise KvtoolError("internal: query statistics are learned in the full pass only with references and none given")
     samples = sum(len(b.rows) for b in batches)
     importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
     steps = _Counter(STAGE_REFERENCES, len(batches) * (reference_tokens - 1), progress)
@@ -166,13 +178,18 @@ def full_pass(
     # one row) are served from its recorded rows (`CompressingLayer.scores_for`).
     widest = max([method.window, *(s.window for _, s in scorers if s.scorer in WINDOW_SCORERS)])
     recording = uniform_profile(model, 1.0, dataclasses.replace(method, window=widest))
+    if deferred and method.scorer in QUERY_SCORERS:  # nothing to rank by yet; the recording's own rank goes unread
+        recording = dataclasses.replace(recording, method=dataclasses.replace(recording.method, scorer="attention-sum"))
     handle = attach(model, dataclasses.replace(recording, query_stats=query_stats))
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), (queries.installed() if queries is not None else contextlib.nullcontext()):
             for batch, batch_answers in zip(batches, answers):
                 cache = handle.bare_cache(record_importance=True)
-                first_logits = prompt_forward(model, batch, cache)
-                parts.append((batch.rows, {key: scorer_stats(cache, s.scorer, _scored_by(method, s)) for key, s in scorers}))
+                with queries.prompt(batch.attention_mask) if queries is not None else contextlib.nullcontext():
+                    first_logits = prompt_forward(model, batch, cache)
+                parts.append((batch.rows, {
+                    key: scorer_stats(cache, s.scorer, _scored_by(method, s)) for key, s in scorers if key not in deferred
+                }))
                 if cache.image_mask is not None and bool(cache.image_mask.any()):
                     images.append(PromptImages.of(cache))
                 importance.step(len(batch.rows))
@@ -192,8 +209,18 @@ def full_pass(
         handle.detach()
     if with_references:
         steps.finish()
+    if queries is not None:
+        query_stats = queries.stats()
+        layers = layer_queries(model, dataclasses.replace(recording, query_stats=query_stats))
+        for (_, stats), state in zip(parts, states):
+            for index, layer in state.full_cache.compressing_layers().items():
+                layer.add_expected_scores(layers[index])
+            stats.update({key: scorer_stats(state.full_cache, s.scorer, _scored_by(method, s)) for key, s in scorers if key in deferred})
     by_scorer = {key: combine([(rows, stats[key]) for rows, stats in parts], samples) for key, _ in scorers}
-    return FullPass(stats=by_scorer[scorers[0][0]], states=tuple(states), images=tuple(images), stats_by_scorer=by_scorer)
+    return FullPass(
+        stats=by_scorer[scorers[0][0]], states=tuple(states), images=tuple(images), stats_by_scorer=by_scorer,
+        query_stats=query_stats,
+    )
 
 
 def _scored_by(method: MethodSettings, scorer: MethodSettings) -> MethodSettings:

@@ -1,20 +1,23 @@
 """Per-head query statistics for Expected Attention, recorded over the calibration prompts.
 
-One plain forward per batch (no cache, the last position's logits only) with a forward hook on
-every compressing layer's pre-RoPE query (`models.queries.query_taps`): the real (unpadded) rows
-add to a float64 sum and sum of outer products per head, from which the mean and the population
-covariance follow. These are the prompt's queries: what the answer asks of the prompt is modelled
+A forward hook on every compressing layer's pre-RoPE query (`models.queries.query_taps`) during
+the prompt forwards: the real (unpadded) rows add to a float64 sum and sum of outer products per
+head, from which the mean and the population covariance follow. A calibration with a recipe search
+records them in its full pass's own prompt forwards and scores the recorded prompts once they are
+known (`passes.full_pass`); otherwise one plain forward per batch records them first. These are the prompt's queries: what the answer asks of the prompt is modelled
 by what the prompt's own rows asked of it, as kvpress does from the prompt itself, here averaged
 over every calibration prompt and stored once (`profiles.queries`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from kvtool.errors import KvtoolError
 from kvtool.models.queries import query_taps
 from kvtool.profiles.fingerprint import SLIDING_ATTENTION
 from kvtool.profiles.queries import FUTURE_POSITIONS, QueryStats
@@ -29,43 +32,74 @@ def compressing_layers(model: Any) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(types) if kind != SLIDING_ATTENTION)
 
 
-def record_query_stats(
-    model: Any, batches: Sequence[Batch], on_batch: Callable[[int], None] | None = None, future: int = FUTURE_POSITIONS
-) -> QueryStats:
-    """Mean and covariance of every compressing layer's pre-RoPE queries over `batches`' real rows."""
-    layers = compressing_layers(model)
-    taps = query_taps(model)
-    sums: dict[int, torch.Tensor] = {}
-    outer: dict[int, torch.Tensor] = {}
-    count = 0
-    current: dict[str, Any] = {}
+class QueryRecorder:
+    """Float64 sums of every compressing layer's pre-RoPE query rows over the prompt forwards it is
+    told of (`prompt`), through forward hooks while `installed`; the rows of other forwards (a
+    reference's decode steps) are not counted."""
 
-    def hook(index: int):
+    def __init__(self, model: Any):
+        self.model = model
+        self.layers = compressing_layers(model)
+        self.taps = query_taps(model)
+        self.sums: dict[int, torch.Tensor] = {}
+        self.outer: dict[int, torch.Tensor] = {}
+        self.count = 0
+        self._valid: torch.Tensor | None = None
+
+    def _hook(self, index: int):
         def record(module, args, output) -> None:
-            valid = current["valid"]
-            rows = taps[index].shape(output, valid.shape[1])[valid].double()  # [m, Hq, D]
-            sums[index] = sums.get(index, 0) + rows.sum(dim=0)
-            outer[index] = outer.get(index, 0) + torch.einsum("mhd,mhe->hde", rows, rows)
+            if self._valid is None:
+                return
+            rows = self.taps[index].shape(output, self._valid.shape[1])[self._valid].double()  # [m, Hq, D]
+            self.sums[index] = self.sums.get(index, 0) + rows.sum(dim=0)
+            self.outer[index] = self.outer.get(index, 0) + torch.einsum("mhd,mhe->hde", rows, rows)
 
         return record
 
-    handles = [taps[i].module.register_forward_hook(hook(i)) for i in layers]
+    @contextmanager
+    def installed(self) -> Iterator["QueryRecorder"]:
+        handles = [self.taps[i].module.register_forward_hook(self._hook(i)) for i in self.layers]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextmanager
+    def prompt(self, attention_mask: torch.Tensor) -> Iterator[None]:
+        """The forward inside is a prompt forward of rows `attention_mask` [B, n] (1: real token)."""
+        self._valid = attention_mask.to(self.model.device).bool()
+        try:
+            yield
+        finally:
+            self.count += int(self._valid.sum())
+            self._valid = None
+
+    def stats(self, future: int = FUTURE_POSITIONS) -> QueryStats:
+        """Each layer's mean and population covariance over every real row recorded."""
+        if not self.count:
+            raise KvtoolError("internal: no prompt rows were recorded for the query statistics")
+        mean = torch.stack([self.sums[i] / self.count for i in self.layers])
+        cov = torch.stack([self.outer[i] / self.count for i in self.layers]) - mean[..., :, None] * mean[..., None, :]
+        return QueryStats(self.layers, mean.float(), cov.float(), self.count, future)
+
+
+def record_query_stats(
+    model: Any, batches: Sequence[Batch], on_batch: Callable[[int], None] | None = None, future: int = FUTURE_POSITIONS
+) -> QueryStats:
+    """Mean and covariance of every compressing layer's pre-RoPE queries over `batches`' real rows,
+    from plain forwards of their own (calibration's full pass records them in its prompt forwards
+    instead, where it keeps the prompt states to score afterwards)."""
+    recorder = QueryRecorder(model)
     device = model.device
-    try:
-        with torch.inference_mode():
-            for batch in batches:
-                current["valid"] = batch.attention_mask.to(device).bool()
-                extras = prompt_extras(model, batch)  # a vision-language prompt's pixels, as its prompt forward
+    with recorder.installed(), torch.inference_mode():
+        for batch in batches:
+            extras = prompt_extras(model, batch)  # a vision-language prompt's pixels, as its prompt forward
+            with recorder.prompt(batch.attention_mask):
                 model(
                     input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                     position_ids=batch.position_ids.to(device), use_cache=False, logits_to_keep=1, **extras,
                 )
-                count += int(current["valid"].sum())
-                if on_batch is not None:
-                    on_batch(len(batch.rows))
-    finally:
-        for handle in handles:
-            handle.remove()
-    mean = torch.stack([sums[i] / count for i in layers])
-    cov = torch.stack([outer[i] / count for i in layers]) - mean[..., :, None] * mean[..., None, :]
-    return QueryStats(layers, mean.float(), cov.float(), count, future)
+            if on_batch is not None:
+                on_batch(len(batch.rows))
+    return recorder.stats(future)

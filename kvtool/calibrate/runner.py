@@ -25,7 +25,7 @@ from kvtool.calibrate.cost import affordable_draft
 from kvtool.calibrate.passes import (
     STAGE_QUERIES, Progress, _Counter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
 )
-from kvtool.calibrate.queries import record_query_stats
+from kvtool.calibrate.queries import QueryRecorder, record_query_stats
 from kvtool.calibrate.recipes import seed_recipes, stage_options
 from kvtool.calibrate.statistics import ImportanceStats, kept_image_share
 from kvtool.calibrate.truncation import TruncationResult
@@ -157,17 +157,23 @@ def calibrate(
         replace(method, scorer="attention-sum"), method,
         *((*stage_options("scorer", method, space), *seed_recipes(space, method)) if space else ()),
     )
-    # The expected-attention scorer reads per-head query statistics: recorded first, so the full pass
-    # scores with them like any other scorer.
-    queries = None
+    # The expected-attention scorer reads per-head query statistics: learned in the full pass's own
+    # prompt forwards, which then scores the prompt states it keeps; a run that keeps none (no
+    # references) records them first in a forward of their own.
+    queries, recorder = None, None
+    with_references = bool(config.candidates)
     if any(s.scorer in QUERY_SCORERS for s in scorers):
-        counter = _Counter(STAGE_QUERIES, sum(len(b.rows) for b in batches), report).start()
-        queries = record_query_stats(loaded.model, batches, on_batch=counter.step)
+        if with_references:
+            recorder = QueryRecorder(loaded.model)
+        else:
+            counter = _Counter(STAGE_QUERIES, sum(len(b.rows) for b in batches), report).start()
+            queries = record_query_stats(loaded.model, batches, on_batch=counter.step)
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
-        reference_tokens=config.reference_tokens, with_references=bool(config.candidates), progress=report,
-        scorers=scorers, query_stats=queries,
+        reference_tokens=config.reference_tokens, with_references=with_references, progress=report,
+        scorers=scorers, query_stats=queries, queries=recorder,
     )
+    queries = measured.query_stats
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
     allocated = {key: allocate(stats, budget) for key, stats in measured.stats_by_scorer.items()}

@@ -197,6 +197,16 @@ class PromptCompression:
         self.prompt_rows = query[:, :, -self.plan.window :].detach().clone()
         self.prompt_scaling = scaling
 
+    def add_expected_scores(self, queries) -> None:
+        """Add expected-attention scores (`queries`: a LayerQueries) to the recorded prompt, as
+        `_compress` would have with them in the plan: calibration learns the statistics in the same
+        prompt forwards it records, so they exist only afterwards."""
+        if self.prompt_scores is None:
+            raise KvtoolError("internal: expected-attention scores go onto a recorded prompt")
+        n = self.prompt_valid.shape[1]
+        expected = expected_scores(self.keys[:, :, :n], self.values[:, :, :n], self.prompt_valid, queries)
+        self.prompt_scores = replace(self.prompt_scores, expected=expected)
+
     def scores_for(self, window: int) -> PromptScores | None:
         """The recorded prompt scores as a pass asked for observation window `window` would give
         them: the recorded window sums where the windows agree, else sums over the recorded rows'
