@@ -492,6 +492,9 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
             merged = GroupedCache(merged_parts, rows=3, merge=True)
             units = merged.layers[next(iter(merged_parts[0].compressing_layers()))].units()
             assert [type(u.plan).__name__ for u, _ in units] == ["RowShares", "LayerPlan", "LayerPlan"]
+            plain = [layer for layer in merged.layers if not layer.compressing]
+            assert all(len(layer.units()) == 1 for layer in plain)  # sliding layers: one stacked layer
+            assert plain or model.config.model_type == "llama"
             assert units[0][1].tolist() == [0, 1, 2, 9, 10, 11]
             mask, position = batch.attention_mask, batch.next_positions
             tokens = torch.randint(3, 90, (3, 14), generator=gen)

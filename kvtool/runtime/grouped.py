@@ -17,16 +17,19 @@ their rows, each row keeping its own recipe's share (`RowShares`). A decode step
 attention and one round of eviction bookkeeping per kind of rule instead of one per recipe: a search
 stage varies one rule at a time, so most of its recipes share the generation rule, and the per-block
 bookkeeping (a few dozen small tensor operations per layer) was most of a search step's overhead.
-The merged layer takes the blocks' state over: their own caches are not updated any more.
+The layers transformers keeps (a hybrid model's sliding windows) are stacked into one layer of all
+the rows the same way. The merged layer takes the blocks' state over: their own caches are not
+updated any more.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.cache import KvtoolCache
@@ -72,6 +75,21 @@ def _merged(parts: Sequence[CompressingLayer]) -> CompressingLayer:
     return CompressingLayer.stacked(parts, shares)
 
 
+def _stacked_plain(parts: Sequence[DynamicLayer]) -> DynamicLayer | None:
+    """transformers' own layers of one class holding the same columns (the blocks' prompts are the
+    same) as one layer of all their rows: a step then appends to one tensor, not to each block's
+    and then again to their concatenation (None: they differ)."""
+    kind = type(parts[0])
+    if kind not in (DynamicLayer, DynamicSlidingWindowLayer) or any(type(p) is not kind for p in parts):
+        return None
+    if len({(p.keys.shape[1:], getattr(p, "cumulative_length", None)) for p in parts}) != 1:
+        return None
+    stacked = copy.copy(parts[0])
+    stacked.keys = torch.cat([p.keys for p in parts])
+    stacked.values = torch.cat([p.values for p in parts])
+    return stacked
+
+
 class GroupedLayer(DynamicLayer):
     """One layer index of several caches; part i serves rows [i * rows, (i + 1) * rows). With
     `merge`, parts that decode alike are served by one merged layer (`units`)."""
@@ -97,6 +115,10 @@ class GroupedLayer(DynamicLayer):
         """(layer, its rows of the batch) per unit, and the permutation that puts the units'
         outputs (concatenated) back in batch order (None: they already are)."""
         blocks = self.blocks()
+        if merge and not self.compressing and self.is_initialized:
+            stacked = _stacked_plain(self.parts)
+            if stacked is not None:
+                return [(stacked, slice(0, blocks[-1].stop))], None
         if not (merge and self.compressing and self.is_initialized):
             return list(zip(self.parts, blocks)), None
         groups: dict[object, list[int]] = {}
@@ -136,6 +158,8 @@ class GroupedLayer(DynamicLayer):
         if self.compressing:
             # kvtool attention reads each unit's own slots (their counts differ between units).
             return key_states, value_states
+        if len(states) == 1:
+            return states[0]
         # Layers kvtool leaves alone hold the same columns in every block: one tensor serves sdpa.
         return torch.cat([k for k, _ in states]), torch.cat([v for _, v in states])
 
