@@ -390,16 +390,21 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward(recipe) -> 
                 assert torch.equal(layer.valid, other.valid) and torch.equal(layer.order, other.order)
                 assert torch.equal(layer.frozen, other.frozen) and np.array_equal(layer.kept, other.kept)
                 assert torch.allclose(layer.keys, other.keys) and torch.allclose(layer.values, other.values)
-            mask, position = batch.attention_mask, batch.next_positions
-            token = torch.tensor([[5], [6], [7]])
-            for _ in range(12):  # past the first evictions
-                mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
-                step = {"input_ids": token, "attention_mask": mask, "position_ids": position, "use_cache": True}
-                a = model(**step, **with_cache(model, real)).logits[:, -1]
-                b = model(**step, **with_cache(model, replayed)).logits[:, -1]
-                assert torch.allclose(a, b, atol=1e-9)
-                token, position = a.argmax(dim=-1, keepdim=True), position + 1
+            assert_decodes_alike(model, batch, real, replayed, steps=12)  # past the first evictions
             handle.detach()
+
+
+def assert_decodes_alike(model, batch, real, replayed, steps: int) -> None:
+    """`steps` greedy decode steps (from fixed first tokens) give the same logits through both caches."""
+    mask, position = batch.attention_mask, batch.next_positions
+    token = torch.tensor([[5], [6], [7]])
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+        step = {"input_ids": token, "attention_mask": mask, "position_ids": position, "use_cache": True}
+        a = model(**step, **with_cache(model, real)).logits[:, -1]
+        b = model(**step, **with_cache(model, replayed)).logits[:, -1]
+        assert torch.allclose(a, b, atol=1e-9)
+        token, position = a.argmax(dim=-1, keepdim=True), position + 1
 
 
 @pytest.mark.parametrize("window,sinks", [(7, 0), (5, 0), (4, 1), (3, 2)])
@@ -439,15 +444,7 @@ def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, s
             if hasattr(a, "valid"):
                 assert torch.equal(a.valid, b.valid) and torch.equal(a.order, b.order)
                 assert torch.allclose(a.keys, b.keys) and torch.allclose(a.values, b.values)
-        mask, position = batch.attention_mask, batch.next_positions
-        token = torch.tensor([[5], [6], [7]])
-        for _ in range(10):  # past the windows' first evictions
-            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
-            step = {"input_ids": token, "attention_mask": mask, "position_ids": position, "use_cache": True}
-            a = model(**step, **with_cache(model, real)).logits[:, -1]
-            b = model(**step, **with_cache(model, replayed)).logits[:, -1]
-            assert torch.allclose(a, b, atol=1e-9)
-            token, position = a.argmax(dim=-1, keepdim=True), position + 1
+        assert_decodes_alike(model, batch, real, replayed, steps=10)  # past the windows' first evictions
         handle.detach()
 
 
