@@ -215,7 +215,9 @@ def full_pass(
         for (_, stats), state in zip(parts, states):
             for index, layer in state.full_cache.compressing_layers().items():
                 layer.add_expected_scores(layers[index])
-            stats.update({key: scorer_stats(state.full_cache, s.scorer, _scored_by(method, s)) for key, s in scorers if key in deferred})
+            stats.update({
+                key: scorer_stats(state.full_cache, s.scorer, _scored_by(method, s)) for key, s in scorers if key in deferred
+            })
     by_scorer = {key: combine([(rows, stats[key]) for rows, stats in parts], samples) for key, _ in scorers}
     return FullPass(
         stats=by_scorer[scorers[0][0]], states=tuple(states), images=tuple(images), stats_by_scorer=by_scorer,

@@ -76,10 +76,10 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
     layers would compute, whatever their scorer and head mode, so each compressing layer is handed both
     and compresses as in that forward. This saves calibration a second forward over every
     prompt; a test checks the result against a real compressed prompt forward. A sliding layer
-    that keeps the model's own window is copied as transformers' layer; one with a window of its own
-    is cut from the whole prompt the record kept (`RecordedWindowLayer`). The prompt's image-token mask (set on
-    `full` by the forward of a vision-language model) goes along, so rules such as `text-prior`
-    and the kept-image counts see the image positions as in a real forward.
+    that keeps the model's own window is copied as transformers' layer; one with a window of its
+    own is cut from the whole prompt the record kept (`RecordedWindowLayer`). The prompt's
+    image-token mask (set on `full` by the forward of a vision-language model) goes along, so rules
+    such as `text-prior` and the kept-image counts see the image positions as in a real forward.
     """
     if getattr(full, "image_mask", None) is not None:
         target.set_image_mask(full.image_mask)
@@ -99,11 +99,7 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
             target.layers[index] = source.native()  # the model's own window: transformers' layer as it is
             continue
         if layer is not None and not hasattr(source, "prompt_scores"):
-            # A sliding layer recorded as transformers keeps it: a draft's profile makes it kvtool's at the
-            # model's own window (attach.layer_plans), which holds the same entries; a shorter one does not.
-            if layer.plan.cap != layer.plan.native_window or layer.plan.sink_tokens:
-                raise KvtoolError("internal: a recorded sliding layer stands only for a window of its own size")
-            layer = None
+            raise KvtoolError("internal: a sliding layer replays only from a record (bare_cache(record_importance=True))")
         if layer is None:
             target.layers[index] = copy.deepcopy(source)
             continue
