@@ -215,6 +215,7 @@ def test_hybrid_calibration_chooses_the_sliding_windows_by_measured_loss() -> No
     )
     profile = run.profile
     assert set(run.windows.ppl) == {39, 19, 9}  # its own 39 entries, half, and the smallest rung (a quarter)
+    assert {t.heads for t in profile.calibration.recipes} == {"shared"}  # one KV head: per-head is the same
     assert profile.calibration.window_ppl == run.windows.ppl
     best = min(run.windows.ppl, key=run.windows.ppl.get)
     sliding = [layer for kind, layer in zip(profile.model.layer_types, profile.layers) if kind == "sliding_attention"]
@@ -806,6 +807,42 @@ def test_prompt_cost_repeats_stop_once_the_ratios_are_clear_of_the_limit() -> No
     assert clear([4.0 / CLEAR_OF_LIMIT], 4.0) and clear([4.0 * CLEAR_OF_LIMIT, 9.0], 4.0)
     assert not clear([4.0 / CLEAR_OF_LIMIT + 0.01], 4.0) and not clear([1.0, 7.0], 4.0)
     assert not clear([1.0], None) and not clear([], 4.0)
+
+
+def test_the_prompt_cost_looks_at_one_row_first_and_times_the_batch_only_when_that_is_not_clearly_within(
+    tiny: LoadedModel, monkeypatch
+) -> None:
+    """A row alone pays the draft's steps alone, so its ratio bounds its batch's from above: when it is
+    clearly within the limit the batch is not timed; otherwise the batch's repeats decide as before."""
+    from kvtool.calibrate import cost
+    from kvtool.scoring import left_pad
+
+    seen, durations = [], []
+
+    def forward(model, prompt, cache):  # a prompt forward costs 1 s per row
+        seen.append(("full", prompt.input_ids.tolist()))
+        durations.append(1.0 * prompt.input_ids.shape[0])
+
+    def prepare(model, prompt, bare_cache, draft):  # the draft's steps cost 1.5 s whatever the rows
+        seen.append(("kvtool", prompt.input_ids.tolist()))
+        durations.append(1.0 * prompt.input_ids.shape[0] + 1.5)
+
+    monkeypatch.setattr(cost, "prompt_forward", forward)
+    monkeypatch.setattr(cost, "prepare", prepare)
+    monkeypatch.setattr(cost, "_seconds", lambda work: (work(), durations.pop())[1])
+    batch = left_pad([[5, 6, 7], [5, 6, 7, 8, 9], [4, 5, 6, 7]], (0, 1, 2), pad_id=0)
+    profile = uniform_profile(tiny.model, 0.5)
+    longest = [[5, 6, 7, 8, 9]]
+
+    assert cost.prompt_overhead(tiny.model, profile, [batch], limit=4.0) == 2.5  # 2.5 x 1.5 <= 4
+    assert seen == [("full", longest), ("kvtool", longest)]
+    seen.clear()
+    assert cost.prompt_overhead(tiny.model, profile, [batch], limit=3.0) == 1.5  # the batch: 4.5 s / 3 s
+    assert [rows for _, rows in seen] == [longest, longest, batch.input_ids.tolist(), batch.input_ids.tolist()]
+    seen.clear()
+    assert cost.prompt_overhead(tiny.model, profile, [batch], limit=None) == 1.5
+    assert len(seen) == 2 * cost.REPEATS and all(rows == batch.input_ids.tolist() for _, rows in seen)
+    assert cost.first_look([batch.row_slice(slice(1, 2))]) is None  # a row alone is its own batch
 
 
 def test_recorded_rows_give_the_recorded_window_and_any_shorter_one() -> None:

@@ -148,6 +148,10 @@ def calibrate(
         raise KvtoolError(reason)
     if reason is not None and space is not None:  # the search tries every scorer this model can run
         space = replace(space, scorers=runnable)
+    if space is not None and fingerprint_of(loaded.model).num_kv_heads == 1:
+        # One KV head: per-head entries are the shared ones (Gemma 3 270M's per-head trials measured
+        # the shared ones' PPLs to the last digit), so the heads stage would measure them again.
+        space = replace(space, heads=(method.heads,))
     batches, answers = encode_halves(loaded, choosing, confirming, config)
 
     # Statistics under every scorer the search may reach (window: each window and pool width, the

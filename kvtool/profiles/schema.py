@@ -257,7 +257,8 @@ class CalibrationInfo:
     )
     # The prompt phase measured with the shipped method and its draft, as a multiple of the full
     # cache's prompt forward on the calibration prompts (`kvtool.calibrate.cost`), and the limit it
-    # had to stay within (`kvtool calibrate --max-prompt-overhead`; left out when none was set).
+    # had to stay within (`kvtool calibrate --max-prompt-overhead`; left out when none was set). Where
+    # one row alone was clearly within the limit, that row's ratio: an upper bound of its batch's.
     prompt_overhead: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
     max_prompt_overhead: float | None = field(default=None, metadata=rule(low=1, omit_none=True))
     # True when the held-out prompts rejected the search's choice and the method is the finalist
