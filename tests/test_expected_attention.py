@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.models.queries import future_rotations, query_taps
+from kvtool.models.queries import future_rotations, output_grams, query_taps
 from kvtool.runtime.importance import LayerQueries, expected_scores
+from kvtool.runtime.importance.expected import expected_output_scores
 from tiny_models import prompts, tiny_gemma3, tiny_llama
 
 
@@ -22,7 +23,10 @@ def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag(cos) + torch.diag(sin) @ turn
 
 
-def brute_force(keys, values, valid, mean, cov, rotation, future):
+def brute_force(keys, values, valid, mean, cov, rotation, future, out_proj=None):
+    """Per query head q: its softmax over the prompt of the Gaussian's expected logits, times each
+    value's weight relative to the row's mean, the weight ‖v‖ or, with `out_proj` (o_proj's weight),
+    ‖W_q v‖; summed into the KV head over its query heads / their count."""
     bsz, kv_heads, n, dim = keys.shape
     heads = mean.shape[0]
     out = torch.zeros(bsz, kv_heads, n, dtype=torch.float64)
@@ -32,9 +36,10 @@ def brute_force(keys, values, valid, mean, cov, rotation, future):
         cos, sin = rotation.rotary(torch.zeros(1), positions, *(() if rotation.layer_type is None else (rotation.layer_type,)))
         turn = sum(rotation_matrix(cos[0, t].double(), sin[0, t].double()) for t in range(future)) / future
         real = [j for j in range(n) if valid[b, j]]
-        norms = {h: torch.stack([values[b, h, j].double().norm() for j in real]) for h in range(kv_heads)}
         for q in range(heads):
             h = q // (heads // kv_heads)
+            written = lambda v: v.double().norm() if out_proj is None else (out_proj[:, q * dim : (q + 1) * dim].double() @ v.double()).norm()  # noqa: E731
+            norms = {h: torch.stack([written(values[b, h, j]) for j in real])}
             mu, sigma = turn @ mean[q].double(), turn @ cov[q].double() @ turn.T
             s = rotation.scaling
             logits = torch.stack([s * mu @ keys[b, h, j].double() + s * s / 2 * keys[b, h, j].double() @ sigma @ keys[b, h, j].double() for j in real])
@@ -63,6 +68,12 @@ def test_expected_scores_match_a_float64_brute_force(make):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     assert bool((got[1, :, :3] == 0).all())
     assert float(got.max()) <= 9  # at most n: selection's protected classes rank above it
+    # Weighted by what each query head writes through its slice of the output projection instead.
+    out_proj = model.model.layers[layer].self_attn.o_proj.weight
+    written = expected_output_scores(keys, values, valid, LayerQueries(mean, cov, rotation, 5, output_grams(model)[layer]))
+    torch.testing.assert_close(written, brute_force(keys, values, valid, mean, cov, rotation, 5, out_proj), rtol=1e-9, atol=1e-12)
+    assert bool((written[1, :, :3] == 0).all()) and float(written.max()) <= 9
+    assert not torch.allclose(written, got)  # the output projection turns values of equal norm apart
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])

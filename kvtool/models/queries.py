@@ -114,6 +114,23 @@ def future_rotations(model) -> dict[int, FutureRotation]:
     return out
 
 
+def output_grams(model) -> dict[int, torch.Tensor]:
+    """Every decoder layer's [Hq, D, D] Gram matrices of its output projection's per-head slices,
+    W_hᵀW_h (W_h: the o_proj columns head h writes through), so ‖W_h v‖² = vᵀ(W_hᵀW_h)v."""
+    _check_rope(model)
+    out = {}
+    for index, block in enumerate(_decoder(model).layers):
+        attn = block.self_attn
+        weight = getattr(getattr(attn, "o_proj", None), "weight", None)
+        if weight is None:
+            raise KvtoolError(f"{type(model).__name__}: layer {index} has no o_proj (expected-output needs one)")
+        head_dim = int(attn.head_dim)
+        accumulation = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        slices = weight.detach().double().view(weight.shape[0], -1, head_dim).transpose(0, 1)  # [Hq, hidden, D]
+        out[index] = (slices.transpose(1, 2) @ slices).to(accumulation)
+    return out
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """transformers' RoPE pairing: dimension i turns with dimension i + D/2."""
     half = x.shape[-1] // 2

@@ -14,7 +14,7 @@ import torch
 from kvtool import __version__
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import CACHE_NAMES, passed_cache
-from kvtool.models.queries import future_rotations
+from kvtool.models.queries import future_rotations, output_grams
 from kvtool.models.vision import image_token_ids
 from kvtool.profiles import (
     LayerProfile,
@@ -106,15 +106,16 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
 
 
 def layer_queries(model, profile: Profile) -> dict[int, LayerQueries]:
-    """Each described layer's query statistics with the model's RoPE for it (empty without statistics)."""
+    """Each described layer's query statistics with the model's RoPE for it and the Gram matrices of
+    its output projection's heads (empty without statistics)."""
     stats = profile.query_stats
     if stats is None:
         return {}
-    rotations = future_rotations(model)
+    rotations, grams = future_rotations(model), output_grams(model)
     out = {}
     for index in stats.layers:
         mean, cov = stats.layer(index)
-        out[index] = LayerQueries(mean, cov, rotations[index], stats.future)
+        out[index] = LayerQueries(mean, cov, rotations[index], stats.future, grams.get(index))
     return out
 
 

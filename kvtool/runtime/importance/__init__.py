@@ -9,7 +9,9 @@ The passes (computed next to the attention output the layer needs anyway):
     chunked        portable path: any device, dtype or mask, in chunks of query rows
     decode         one new token's attention with the probabilities it gave each slot
 The scorers (what selection ranks by, from a PromptScores), by name: base (the interface),
-attention_sum, window, union, expected (Expected Attention, from calibrated query statistics). A new scorer is one new module registered in SCORERS below.
+attention_sum, window, union, expected (Expected Attention, from calibrated query statistics),
+expected_output (the same weighted by what each entry writes through the output projection). A new
+scorer is one new module registered in SCORERS below.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kvtool.errors import KvtoolError
 from kvtool.runtime.importance.attention_sum import AttentionSum
 from kvtool.runtime.importance.base import Scorer
 from kvtool.runtime.importance.expected import ExpectedAttention, LayerQueries, expected_scores
+from kvtool.runtime.importance.expected_output import ExpectedOutput
 from kvtool.runtime.importance.block_size import BlockTuning, block_tuning, tune_blocks
 from kvtool.runtime.importance.decode import decode_attention_with_scores
 from kvtool.runtime.importance.prompt import (
@@ -30,7 +33,9 @@ from kvtool.runtime.importance.scores import NO_EXTRAS, PromptScores, ScoreReque
 from kvtool.runtime.importance.union import UnionScorer
 from kvtool.runtime.importance.window import WindowScorer, pool_before_window
 
-SCORERS: dict[str, type[Scorer]] = {rule.name: rule for rule in (AttentionSum, WindowScorer, UnionScorer, ExpectedAttention)}
+SCORERS: dict[str, type[Scorer]] = {
+    rule.name: rule for rule in (AttentionSum, WindowScorer, UnionScorer, ExpectedAttention, ExpectedOutput)
+}
 
 
 def make_scorer(name: str, *, window: int, pool: int, window_share: float = 0.5) -> Scorer:

@@ -14,7 +14,7 @@ forward: the statistics are data, the keys and values are the prompt's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,18 +26,20 @@ from kvtool.runtime.importance.scores import PromptScores, ScoreRequest, accumul
 
 @dataclass(frozen=True, eq=False)
 class LayerQueries:
-    """One layer's query statistics and how RoPE turns them: mean [Hq, D], cov [Hq, D, D]."""
+    """One layer's query statistics and how RoPE turns them: mean [Hq, D], cov [Hq, D, D]; `output`
+    [Hq, Dv, Dv], where the expected-output scorer needs it, the Gram matrices of the output
+    projection's per-head slices (`models.queries.output_grams`)."""
 
     mean: torch.Tensor
     cov: torch.Tensor
     rotation: FutureRotation
     future: int
+    output: torch.Tensor | None = None
 
 
-def expected_scores(keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
-    """[B, Hkv, n]: each KV head's expected attention to every prompt column times its relative value
-    norm; 0 on padding. keys [B, Hkv, n, D] (after RoPE, at positions 0 .. T_b - 1 of each row's real
-    tokens), values [B, Hkv, n, Dv], token_valid [B, n]."""
+def expected_probs(keys: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
+    """[B, Hq, n]: each query head's expected attention to every prompt column (0 on padding).
+    keys [B, Hkv, n, D] (after RoPE, at positions 0 .. T_b - 1 of each row's real tokens), token_valid [B, n]."""
     bsz, kv_heads, n, dim = keys.shape
     heads = queries.mean.shape[0]
     if queries.mean.shape[-1] != dim or heads % kv_heads:
@@ -55,11 +57,56 @@ def expected_scores(keys: torch.Tensor, values: torch.Tensor, token_valid: torch
     s = queries.rotation.scaling
     logits = s * torch.einsum("bhnd,bhd->bhn", key, mean)
     logits = logits + (s * s / 2) * torch.einsum("bhnd,bhde,bhne->bhn", key, cov, key)
-    probs = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
-    expected = probs.view(bsz, kv_heads, heads // kv_heads, n).mean(dim=2)
-    norm = values.to(dtype).norm(dim=-1).masked_fill(~valid[:, None, :], 0.0)  # [B, Hkv, n]
-    mean_norm = norm.sum(dim=-1, keepdim=True) / valid.sum(dim=1).clamp(min=1)[:, None, None]
-    return expected * norm / mean_norm.clamp(min=torch.finfo(dtype).tiny)
+    return torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+
+
+def _relative(norm: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`norm` [B, H, n] over its row's mean over the valid columns (0 on padding): at most n."""
+    norm = norm.masked_fill(~valid[:, None, :], 0.0)
+    mean = norm.sum(dim=-1, keepdim=True) / valid.sum(dim=1).clamp(min=1)[:, None, None]
+    return norm / mean.clamp(min=torch.finfo(norm.dtype).tiny)
+
+
+def expected_scores(keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
+    """[B, Hkv, n]: each KV head's expected attention to every prompt column (averaged over its query
+    heads) times its value's norm relative to the row's mean; 0 on padding. values [B, Hkv, n, Dv]."""
+    return _value_weighted(expected_probs(keys, token_valid, queries), values, token_valid.bool())
+
+
+def expected_output_scores(
+    keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries
+) -> torch.Tensor:
+    """[B, Hkv, n]: per query head, its expected attention to a column times ‖W_h v‖ (what that head
+    writes to the residual stream through the output projection), relative to the row's mean, then
+    averaged over each KV head's query heads; 0 on padding."""
+    return _output_weighted(expected_probs(keys, token_valid, queries), values, token_valid.bool(), queries)
+
+
+def with_expected(
+    scores: PromptScores, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries,
+    output: bool,
+) -> PromptScores:
+    """`scores` with the expected-attention scores, and with `output` the expected-output ones too
+    (one softmax for both)."""
+    probs, valid = expected_probs(keys, token_valid, queries), token_valid.bool()
+    output = _output_weighted(probs, values, valid, queries) if output else None
+    return replace(scores, expected=_value_weighted(probs, values, valid), expected_output=output)
+
+
+def _value_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    bsz, kv_heads, n, _ = values.shape
+    expected = probs.view(bsz, kv_heads, -1, n).mean(dim=2)
+    return expected * _relative(values.to(probs.dtype).norm(dim=-1), valid)
+
+
+def _output_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
+    if queries.output is None:
+        raise KvtoolError("internal: the expected-output scorer was handed no output projection")
+    bsz, kv_heads, n, _ = values.shape
+    value = values.to(probs.dtype).repeat_interleave(probs.shape[1] // kv_heads, dim=1)  # [B, Hq, n, Dv]
+    gram = queries.output.to(value.device, probs.dtype)
+    written = torch.einsum("bhnd,hde,bhne->bhn", value, gram, value).clamp(min=0).sqrt()
+    return (probs * _relative(written, valid)).view(bsz, kv_heads, -1, n).mean(dim=2)
 
 
 class ExpectedAttention(Scorer):

@@ -19,7 +19,8 @@ class ScoreRequest:
     heads: also the column sums per KV head. window: also, per KV head, the attention the last
     `window` real prompt rows give each column (0: not needed). expected: the layer adds the
     expected-attention scores (`importance.expected`) from its keys, values and query statistics
-    (no pass computes them).
+    (no pass computes them), and the expected-output ones where the statistics carry the output
+    projection.
     """
 
     heads: bool = False
@@ -38,6 +39,8 @@ class PromptScores:
     window: [B, Hkv, n] or None, per KV head the sum over the last `window` real query rows of
         A[row, column], averaged over the KV head's query heads (unpooled).
     expected: [B, Hkv, n] or None, the expected-attention scores (added by the layer, not the pass).
+    expected_output: [B, Hkv, n] or None, the expected-output scores (likewise; only where the layer's
+        query statistics carry the output projection).
     Padded columns are 0 everywhere; padded query rows contribute nothing.
     """
 
@@ -45,6 +48,7 @@ class PromptScores:
     heads: torch.Tensor | None = None
     window: torch.Tensor | None = None
     expected: torch.Tensor | None = None
+    expected_output: torch.Tensor | None = None
 
 
 NO_EXTRAS = ScoreRequest()
@@ -60,5 +64,6 @@ def with_rows(prompt: PromptScores | None, rows: PromptScores) -> PromptScores |
     n = prompt.importance.shape[-1]
     more = lambda mine, theirs: None if mine is None else mine + theirs[..., :n].to(mine.dtype)  # noqa: E731
     return PromptScores(
-        more(prompt.importance, rows.importance), more(prompt.heads, rows.heads), more(prompt.window, rows.heads), prompt.expected
+        more(prompt.importance, rows.importance), more(prompt.heads, rows.heads), more(prompt.window, rows.heads),
+        prompt.expected, prompt.expected_output,
     )
