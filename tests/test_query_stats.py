@@ -142,7 +142,8 @@ def test_expected_attention_without_statistics_is_a_one_line_error() -> None:
     assert_one_line_error(info.value, "query statistics")
 
 
-def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scorer", ["expected-attention", "expected-output"])
+def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path, scorer: str) -> None:
     """Calibration records the statistics, ships them with a profile whose scorer reads them, and the
     loaded profile generates as the one calibration returned."""
     from kvtool.calibrate.recipes import SearchSpace
@@ -152,15 +153,15 @@ def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp
 
     model = tiny_llama(dtype=torch.float32)
     space = SearchSpace(
-        evictions=("tova",), selections=("importance",), scorers=("expected-attention",), ratio_sources=("uniform",),
+        evictions=("tova",), selections=("importance",), scorers=(scorer,), ratio_sources=("uniform",),
         heads=("shared",), recent_shares=(0.0,), merge_modes=("none",), distances=(0,), seeds=(),
     )
-    start = MethodSettings(scorer="expected-attention", eviction="tova", merge="none", ratios="uniform")
+    start = MethodSettings(scorer=scorer, eviction="tova", merge="none", ratios="uniform")
     run = calibrate(
         loaded(model), 0.3, data=word_prompts(4), samples=4, seed=1, reference_tokens=4, candidates=(0,),
         search=space, method=start, draft=None, out=tmp_path / "ea.yaml",
     )
-    assert run.profile.method.scorer == "expected-attention" and run.profile.query_stats is not None
+    assert run.profile.method.scorer == scorer and run.profile.query_stats is not None
     assert sidecar_path(tmp_path / "ea.yaml").exists()
     profile = load_profile(tmp_path / "ea.yaml")
     torch.testing.assert_close(profile.query_stats.mean, run.profile.query_stats.mean)

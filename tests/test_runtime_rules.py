@@ -34,7 +34,7 @@ from kvtool.runtime.layer import GROWTH_SLOTS, LayerPlan
 from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.selection import select_rule
 from kvtool.models.forward import with_cache
-from kvtool.models.queries import future_rotations
+from kvtool.models.queries import future_rotations, output_grams
 from kvtool.runtime.importance import LayerQueries
 from test_expected_attention import brute_force as brute_force_expected
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
@@ -411,18 +411,21 @@ CASES = {
     # Expected Attention from (random) calibrated query statistics, against the float64 brute force.
     "per-head-expected-tova": ("per-head", "expected-attention", 1, 1, "none", "tova"),
     "shared-expected-fixed-point-position": ("shared", "expected-attention", 1, 1, "position", "fixed-point", 0.3),
+    # ... weighted by what each query head writes through the output projection.
+    "per-head-output-tova": ("per-head", "expected-output", 1, 1, "none", "tova"),
+    "shared-output-h2o": ("shared", "expected-output", 1, 1, "none", "heavy-hitter", 0.25),
 }
 
 
 def random_queries(model, seed: int = 5) -> dict[int, LayerQueries]:
     """Query statistics for every layer of `model`: random means, random positive semi-definite covariances."""
     g = torch.Generator().manual_seed(seed)
-    rotations = future_rotations(model)
+    rotations, grams = future_rotations(model), output_grams(model)
     out = {}
     for index, rotation in rotations.items():
         root = torch.randn(HEADS, model.config.head_dim, model.config.head_dim, generator=g, dtype=torch.float64)
         mean = 2 * torch.randn(HEADS, model.config.head_dim, generator=g, dtype=torch.float64)
-        out[index] = LayerQueries(mean, root @ root.transpose(-1, -2) / 4, rotation, future=7)
+        out[index] = LayerQueries(mean, root @ root.transpose(-1, -2) / 4, rotation, future=7, output=grams[index])
     return out
 
 
@@ -460,10 +463,13 @@ def test_compressed_decoding_matches_per_head_reference(case, draft):
         for index, ratio in enumerate(RATIOS):
             keep = math.ceil(ratio * n - 1e-9)
             recent_here = max(recent, math.ceil(share * keep)) if share else recent
-            if scorer == "expected-attention":
+            if scorer in ("expected-attention", "expected-output"):
                 q = queries[index]
                 valid = torch.ones(1, n, dtype=torch.bool)
-                score = brute_force_expected(full.layers[index].keys, full.layers[index].values, valid, q.mean, q.cov, q.rotation, q.future)[0]
+                out_proj = model.model.layers[index].self_attn.o_proj.weight if scorer == "expected-output" else None
+                score = brute_force_expected(
+                    full.layers[index].keys, full.layers[index].values, valid, q.mean, q.cov, q.rotation, q.future, out_proj
+                )[0]
             else:
                 score = reference_scores(maps[index], scorer, window, pool, window_share, draft)
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
@@ -543,6 +549,7 @@ BATCH_CASES = {
     "shared-sum-h2o-window": dict(window=4, pool=3, evict="heavy-hitter-window"),
     "per-head-expected-tova": dict(heads="per-head", scorer="expected-attention", evict="tova", queries=True),
     "shared-expected-fixed-point": dict(scorer="expected-attention", queries=True),
+    "per-head-output-tova": dict(heads="per-head", scorer="expected-output", evict="tova", queries=True),
 }
 
 
