@@ -253,9 +253,9 @@ Measure = Callable[[str, Sequence[MethodSettings]], Sequence[float]]
 
 
 # A later round retries a stage's value only if, in the first round, it measured within this factor
-# of the PPL that stage had to beat. Replayed on the recorded trials of the four built-in profiles
-# (SmolLM2 and Gemma 3 270M at 0.2 and 0.5): the same choices in all four, with 7-30% fewer trials
-# (docs/results.md, "Later rounds retry only what came close").
+# of the PPL that stage had to beat. Replayed on the recorded trials of seven calibration runs (the
+# four built-in profiles, three others of SmolLM2 and Gemma 3 270M): the same choice in all seven,
+# with 4-29% fewer trials (`benchmarks/search_replay.py`; docs/results.md, "Calibration time").
 RETRY_WITHIN = 1.10
 
 
