@@ -1,7 +1,8 @@
 """A profile with one change: its prompt scorer swapped (a one-change comparison for `kvtool eval`).
 
-For `expected-attention` the per-head query statistics are recorded on the prompts `kvtool calibrate`
-draws with its defaults (the same seed and halves), as calibration would record them.
+For the scorers that read them (`expected-attention`, `expected-output`) the per-head query
+statistics are recorded on the prompts `kvtool calibrate` draws with its defaults (the same seed and
+halves), as calibration would record them.
 
     .venv/bin/python benchmarks/with_scorer.py smollm2 smollm2.yaml smollm2-ea.yaml --scorer expected-attention
 """
