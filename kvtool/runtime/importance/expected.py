@@ -27,8 +27,8 @@ from kvtool.runtime.importance.scores import PromptScores, ScoreRequest, accumul
 @dataclass(frozen=True, eq=False)
 class LayerQueries:
     """One layer's query statistics and how RoPE turns them: mean [Hq, D], cov [Hq, D, D]; `output`
-    [Hq, Dv, Dv], where the expected-output scorer needs it, the Gram matrices of the output
-    projection's per-head slices (`models.queries.output_grams`)."""
+    [Hq, Dv, Dv], the Gram matrices of the output projection's per-head slices
+    (`models.queries.output_grams`; the expected-output scorer reads them)."""
 
     mean: torch.Tensor
     cov: torch.Tensor

@@ -19,8 +19,7 @@ class ScoreRequest:
     heads: also the column sums per KV head. window: also, per KV head, the attention the last
     `window` real prompt rows give each column (0: not needed). expected: the layer adds the
     expected-attention scores (`importance.expected`) from its keys, values and query statistics
-    (no pass computes them), and the expected-output ones where the statistics carry the output
-    projection.
+    (no pass computes them), and the expected-output ones for that scorer or a recording.
     """
 
     heads: bool = False
@@ -39,8 +38,8 @@ class PromptScores:
     window: [B, Hkv, n] or None, per KV head the sum over the last `window` real query rows of
         A[row, column], averaged over the KV head's query heads (unpooled).
     expected: [B, Hkv, n] or None, the expected-attention scores (added by the layer, not the pass).
-    expected_output: [B, Hkv, n] or None, the expected-output scores (likewise; only where the layer's
-        query statistics carry the output projection).
+    expected_output: [B, Hkv, n] or None, the expected-output scores (likewise; only for that
+        scorer or a recording).
     Padded columns are 0 everywhere; padded query rows contribute nothing.
     """
 
