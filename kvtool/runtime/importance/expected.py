@@ -111,11 +111,13 @@ def _output_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Ten
 
 class ExpectedAttention(Scorer):
     name = "expected-attention"
+    field = "expected"  # the PromptScores field it ranks by
 
     def request(self, per_head: bool) -> ScoreRequest:
         return ScoreRequest(expected=True)
 
     def score(self, scores: PromptScores, token_valid: torch.Tensor, per_head: bool) -> torch.Tensor:
-        if scores.expected is None:
-            raise KvtoolError("internal: the expected-attention scorer was handed no expected scores")
-        return scores.expected if per_head else scores.expected.mean(dim=1)
+        score = getattr(scores, self.field)
+        if score is None:
+            raise KvtoolError(f"internal: the {self.name} scorer was handed no {self.field} scores")
+        return score if per_head else score.mean(dim=1)

@@ -11,20 +11,9 @@ the profile stores only the query statistics.
 
 from __future__ import annotations
 
-import torch
-
-from kvtool.errors import KvtoolError
-from kvtool.runtime.importance.base import Scorer
-from kvtool.runtime.importance.scores import PromptScores, ScoreRequest
+from kvtool.runtime.importance.expected import ExpectedAttention
 
 
-class ExpectedOutput(Scorer):
+class ExpectedOutput(ExpectedAttention):
     name = "expected-output"
-
-    def request(self, per_head: bool) -> ScoreRequest:
-        return ScoreRequest(expected=True)
-
-    def score(self, scores: PromptScores, token_valid: torch.Tensor, per_head: bool) -> torch.Tensor:
-        if scores.expected_output is None:
-            raise KvtoolError("internal: the expected-output scorer was handed no expected-output scores")
-        return scores.expected_output if per_head else scores.expected_output.mean(dim=1)
+    field = "expected_output"  # `expected._output_weighted`, computed beside `expected`
