@@ -94,7 +94,10 @@ def test_draft_stage_is_shown_and_recorded(
     code, stdout, stderr = run(
         monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "4",
         "--data", str(data_file), "--out", str(out), "--draft", "4,stage",
-        "--space", "recent_shares=0", "--space", "pools=3",
+        # Few other rules, so the search measures the pick's neighbours in the two the stage varies
+        # (a later round retries only what came close, which could leave it none).
+        "--space", "recent_shares=0", "--space", "pools=3", "--space", "selections=importance",
+        "--space", "scorers=window", "--space", "heads=shared",
     )
     assert code == 0, stderr
     assert "Draft stage" in stdout and "PPL with the draft on" in stdout and "draft stage" in stderr
