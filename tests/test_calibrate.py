@@ -408,11 +408,15 @@ def assert_decodes_alike(model, batch, real, replayed, steps: int) -> None:
         token, position = a.argmax(dim=-1, keepdim=True), position + 1
 
 
-@pytest.mark.parametrize("window,sinks", [(7, 0), (5, 0), (4, 1), (3, 2)])
-def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, sinks) -> None:
+@pytest.mark.parametrize("window,sinks,scored", [(7, 0, None), (5, 0, None), (4, 1, None), (3, 2, None), (5, 0, (2, 1)), (4, 1, (1, 3))])
+def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, sinks, scored, monkeypatch) -> None:
     """The window stage builds every rung's cache from the full pass's record: the sliding layers'
     kept entries (sinks included, which transformers' own layer no longer holds) and every decode
-    step must match a prompt forward through that rung's cache (tiny Gemma 3's own window: 7 entries)."""
+    step must match a prompt forward through that rung's cache (tiny Gemma 3's own window: 7 entries).
+    `scored`: the windows keep their top-scored entries, ranked by that many last rows and pool width
+    (the record's rows under the model's sliding mask must rank as the prompt forward's own scores)."""
+    import importlib
+    attach_module = importlib.import_module("kvtool.runtime.attach")
     from kvtool.calibrate.truncation import compress_recorded_prompt
     from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
     from kvtool.scoring import left_pad
@@ -424,9 +428,13 @@ def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, s
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
     base = profile_with(model, [1.0, 0.4, 1.0, 0.3])
     profile = dataclasses.replace(base, layers=tuple(
-        dataclasses.replace(layer, window=window, sinks=sinks, compress=False, ratio=1.0) if kind == "sliding_attention" else layer
+        dataclasses.replace(layer, window=window, sinks=sinks, compress=False, ratio=1.0, scored=scored is not None)
+        if kind == "sliding_attention" else layer
         for kind, layer in zip(base.model.layer_types, base.layers)
     ))
+    if scored is not None:
+        monkeypatch.setattr(attach_module, "SCORED_WINDOW_ROWS", scored[0])
+        monkeypatch.setattr(attach_module, "SCORED_WINDOW_POOL", scored[1])
     with torch.inference_mode():
         recording = attach(model, uniform_profile(model, 1.0))
         full = recording.new_cache(record_importance=True)

@@ -250,13 +250,14 @@ def test_a_draft_cannot_be_set_late(llama):
         KvtoolCache(llama.config, rules_plans(profile)).set_draft(-1)
 
 
-def windowed_gemma_profile(gemma, draft=None):
-    """Tiny Gemma 3 with its sliding layers window-shaped (4 entries, 1 sink) and its full layers at 0.5."""
+def windowed_gemma_profile(gemma, draft=None, scored=False):
+    """Tiny Gemma 3 with its sliding layers window-shaped (4 entries, 1 sink; `scored`: by score) and
+    its full layers at 0.5."""
     import dataclasses
 
     base = profile_with(gemma, 0.5)
     layers = tuple(
-        dataclasses.replace(layer, window=4, sinks=1, compress=False, ratio=1.0) if kind == "sliding_attention" else layer
+        dataclasses.replace(layer, window=4, sinks=1, compress=False, ratio=1.0, scored=scored) if kind == "sliding_attention" else layer
         for kind, layer in zip(base.model.layer_types, base.layers)
     )
     return dataclasses.replace(base, layers=layers, method=dataclasses.replace(base.method, draft=draft))
@@ -300,12 +301,13 @@ def test_hybrid_draft_rows_read_the_held_prompt_as_the_appended_forward():
     assert (held - appended).abs().max().item() < 1e-9
 
 
+@pytest.mark.parametrize("scored", [False, True], ids=["recent", "scored"])
 @pytest.mark.parametrize("rounds", [1, 2])
-def test_hybrid_padded_batch_equals_single_runs_with_a_draft(rounds):
+def test_hybrid_padded_batch_equals_single_runs_with_a_draft(rounds, scored):
     from kvtool.runtime.attach import layer_plans
 
     gemma = tiny_gemma3()
-    profile = windowed_gemma_profile(gemma)
+    profile = windowed_gemma_profile(gemma, scored=scored)
     cache = drafted_batch_equals_single_runs(gemma, profile, layer_plans(profile), rounds)
     for index, layer in cache.compressing_layers().items():
         assert (layer.kept == layer.plan.keep(layer.tokens)).all()

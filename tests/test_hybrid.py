@@ -135,11 +135,17 @@ def test_shorter_window_equals_brute_force(build, window, sinks):
         assert kept_positions == list(range(sinks)) + list(range(last - (window - sinks) + 1, last + 1))
 
 
+@pytest.mark.parametrize("scored", [False, True], ids=["recent", "scored"])
 @pytest.mark.parametrize("build", [tiny_gemma3, tiny_mistral], ids=["gemma3", "mistral"])
-def test_padded_batch_equals_single_runs_with_windows(build):
+def test_padded_batch_equals_single_runs_with_windows(build, scored, monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("kvtool.runtime.attach"), "SCORED_WINDOW_ROWS", 2)
     model = build()
     seqs = prompts([41, 17, 30])
     profile = with_windows(uniform_profile(model, 1.0), 4, 1, ratio=0.4)
+    profile = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, scored=scored) if layer.window is not None else layer for layer in profile.layers))
     with torch.no_grad(), attach(model, profile) as handle:
         batch = model.generate(**left_pad(seqs), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
         for i, seq in enumerate(seqs):
@@ -252,3 +258,125 @@ def test_a_hybrid_profile_rebudgets_the_whole_cache():
     assert abs(whole_cache.shares(at_05)["all"] - 0.5) < 0.01
     at_01, _ = rebudget(at_03, 0.12)
     assert whole_cache.profile_window(at_01) == 2 and abs(whole_cache.shares(at_01)["all"] - 0.12) < 0.01
+
+
+def _prompt_queries_and_keys(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor, float]]:
+    """Every sliding layer's prompt queries and keys (after rotary) and its scaling, from one plain forward."""
+    name, seen = "kvtool-test-capture", {}
+
+    def capture(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+        if getattr(module, "is_sliding", True):  # Mistral's layers all slide and say nothing
+            seen[module.layer_idx] = (query.clone(), key.clone(), scaling)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+
+    AttentionInterface.register(name, capture)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return seen
+
+
+def _scored_window_positions(query, key, scaling, span: int, window: int, sinks: int, rows: int, pool: int) -> list[int]:
+    """Brute force of a scored window's prompt choice, one unpadded sequence: the first `sinks`
+    positions, the last `rows`, and the rest of `window` by the attention the last `rows` rows give
+    (softmax under the model's sliding mask, averaged over every query head, max-pooled over `pool`
+    positions before the last `rows`), among the last `span - 1` positions only; ties to the earlier."""
+    n = key.shape[2]
+    q = query[0].double()
+    k = key[0].double().repeat_interleave(q.shape[0] // key.shape[1], dim=0)
+    score = torch.zeros(n, dtype=torch.float64)
+    for r in range(n - rows, n):
+        logits = torch.einsum("hd,hnd->hn", q[:, r], k) * scaling
+        allowed = torch.tensor([r - span < c <= r for c in range(n)])
+        score += torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).mean(dim=0)
+    pooled = score.clone()
+    for c in range(n - rows):
+        lo, hi = max(0, c - pool // 2), min(n - rows, c + pool // 2 + 1)
+        pooled[c] = score[lo:hi].max()
+    fixed = set(range(sinks)) | set(range(n - rows, n))
+    candidates = [c for c in range(n - (span - 1), n) if c not in fixed]
+    candidates.sort(key=lambda c: (-pooled[c].item(), c))
+    return sorted(fixed | set(candidates[: window - len(fixed)]))
+
+
+def _kept_reference(model, ids: torch.Tensor, kept: dict[int, list[int]], window: int, sinks: int, fed: torch.Tensor) -> list[torch.Tensor]:
+    """Logits, feeding `fed` [1, k] after the prompt, of a full cache whose decode steps see, in each
+    layer of `kept`, the prompt positions it lists, then each new token, the oldest after the first
+    `sinks` going once more than `window` are held: brute force, one unpadded sequence."""
+    name = "kvtool-test-kept-window"
+    held = {i: list(positions) for i, positions in kept.items()}
+
+    def restricted(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+        kwargs.pop("sliding_window", None)
+        positions = held.get(module.layer_idx)
+        if positions is not None and query.shape[2] == 1:
+            positions.append(key.shape[2] - 1)
+            allow = torch.zeros(key.shape[2], dtype=torch.bool)
+            allow[positions] = True
+            out = sdpa_attention_forward(module, query, key, value, allow[None, None, None, :], dropout, scaling, **kwargs)
+            if len(positions) > window:
+                positions.pop(sinks)  # the oldest one after the sinks
+            return out
+        return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+
+    AttentionInterface.register(name, restricted)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        cache = DynamicCache()  # plain layers keep every entry for the reference to choose from
+        out = [model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(fed.shape[1]):
+            pos = torch.tensor([[ids.shape[1] + t]])
+            out.append(model(input_ids=fed[:, t : t + 1], position_ids=pos, cache=cache, use_cache=True).logits[:, -1])
+    finally:
+        model.set_attn_implementation(previous)
+    return out
+
+
+@pytest.mark.parametrize("window,sinks,rows,pool", [(5, 1, 1, 3), (4, 0, 2, 1), (6, 2, 1, 1)])
+@pytest.mark.parametrize("build", [tiny_gemma3, tiny_mistral], ids=["gemma3", "mistral"])
+def test_scored_window_equals_brute_force(build, window, sinks, rows, pool, monkeypatch):
+    """A scored window keeps its sinks, the last rows and the top-scored rest of the model's own window,
+    then drops the oldest first: logits equal attention masked to that brute-force choice."""
+    import importlib
+
+    attach_module = importlib.import_module("kvtool.runtime.attach")
+    monkeypatch.setattr(attach_module, "SCORED_WINDOW_ROWS", rows)
+    monkeypatch.setattr(attach_module, "SCORED_WINDOW_POOL", pool)
+    model = build()
+    span = model.config.sliding_window
+    ids = left_pad(prompts([30]))["input_ids"]
+    profile = with_windows(uniform_profile(model, 1.0), window, sinks)
+    profile = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, scored=True) if layer.window is not None else layer for layer in profile.layers))
+    with torch.no_grad():
+        captured = _prompt_queries_and_keys(model, ids)
+        kept = {i: _scored_window_positions(q, k, s, span, window, sinks, rows, pool) for i, (q, k, s) in captured.items()}
+        recent = list(range(sinks)) + list(range(30 - (window - sinks), 30))
+        assert any(positions != recent for positions in kept.values()), "the case must score differently from a recent window"
+        with attach(model, profile) as handle:
+            cache = handle.new_cache()
+            model(input_ids=ids, **with_cache(model, cache), use_cache=True)
+            for i in kept:
+                layer = cache.layers[i]
+                assert sorted(layer.order[0][layer.valid[0]].tolist()) == kept[i], f"layer {i}"
+            out = model.generate(
+                input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
+                **with_cache(model, handle.new_cache()), **GREEDY,
+            )
+        ref = _kept_reference(model, ids, kept, window, sinks, out.sequences[:, ids.shape[1] : -1])
+    assert max((a - b).abs().max().item() for a, b in zip(ref, out.logits)) < 1e-6
+
+
+def test_a_scored_full_attention_layer_is_refused():
+    model = tiny_gemma3()
+    profile = uniform_profile(model, 1.0)
+    profile = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, scored=kind != SLIDING) for kind, layer in zip(profile.model.layer_types, profile.layers)))
+    with pytest.raises(KvtoolError, match="only a sliding layer given a window of its own can keep scored entries"):
+        attach(model, profile)

@@ -93,7 +93,9 @@ def compress_recorded_prompt(target: Any, full: Any, attention_mask: torch.Tenso
             # A window of its own: cut from the whole prompt, as the prompt forward would have.
             keys, values = source.prompt
             layer.update(keys.clone(), values.clone())
-            layer.compress_prompt(mask, None)
+            # A scored window ranks by the recorded last rows, as its prompt forward ranks by its own.
+            scores = layer.last_rows_scores(source.rows, keys, mask, source.scaling) if layer.scores_last_rows_only else None
+            layer.compress_prompt(mask, scores)
             continue
         if isinstance(source, RecordedWindowLayer):
             target.layers[index] = source.native()  # the model's own window: transformers' layer as it is

@@ -97,10 +97,11 @@ def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
         ("Budget", budget),
         ("Kept ratios", f"mean {mean} over {len(compressed)} compressed of {len(profile.layers)} layers"),
     ]
-    windows = sorted({(layer.window, layer.sinks) for layer in profile.layers if layer.window is not None})
+    windows = sorted({(layer.window, layer.sinks or 0, layer.scored) for layer in profile.layers if layer.window is not None})
     if windows:
         shaped = sum(1 for layer in profile.layers if layer.window is not None)
-        rows.append(("Windows", ", ".join(f"{w} entries ({s} sinks + {w - s} recent)" for w, s in windows)
+        kept = lambda w, s, scored: f"{w - s} by the last row's attention in the model's window" if scored else f"{w - s} recent"  # noqa: E731
+        rows.append(("Windows", ", ".join(f"{w} entries ({s} sinks + {kept(w, s, scored)})" for w, s, scored in windows)
                      + f" in {shaped} window-shaped layers (sliding layers given a shorter window)"))
     return rows
 

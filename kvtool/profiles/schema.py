@@ -178,6 +178,10 @@ class LayerProfile:
     # Left out of the file when None (the layer keeps what its ratio, or the model, says).
     window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     sinks: int | None = field(default=None, metadata=rule(low=0, omit_none=True))
+    # A window-shaped layer that keeps, beside its sinks, the entries of the model's own window that
+    # the prompt's last rows attended most instead of the most recent ones (selection by score inside
+    # the window; generation still drops the oldest first, so no entry outlives the model's window).
+    scored: bool = field(default=False, metadata=rule(omit_default=True))
 
 
 @dataclass(frozen=True)

@@ -109,11 +109,12 @@ def floor(fingerprint: ModelFingerprint, tokens: int) -> float:
 
 
 def with_windows(profile: Profile, budget: float, window: int | None, *, tokens: int, sinks: int = WINDOW_SINKS,
-                 source: str = "profile", importance_curves: bool = False) -> Profile:
+                 scored: bool = False, source: str = "profile", importance_curves: bool = False) -> Profile:
     """`profile` at whole-cache `budget`: every sliding layer window-shaped at `window` entries (None:
     the model's own), the full-attention layers' ratios re-derived for what is left (from the stored
-    curves, or uniform; `importance_curves` as in `rebudget`). A split the budget cannot pay for is a
-    one-line error naming the floor."""
+    curves, or uniform; `importance_curves` as in `rebudget`); `scored`: the windows keep their
+    top-scored entries of the model's own window (`LayerProfile.scored`). A split the budget cannot
+    pay for is a one-line error naming the floor."""
     model = profile.model
     native = native_window(model)
     if window is not None and not (1 <= window <= native):
@@ -121,7 +122,7 @@ def with_windows(profile: Profile, budget: float, window: int | None, *, tokens:
     keep_native = window is None or window >= native
     layers = [
         dataclasses.replace(layer, ratio=1.0, compress=False, window=None if keep_native else int(window),
-                            sinks=None if keep_native else min(sinks, int(window) - 1))
+                            sinks=None if keep_native else min(sinks, int(window) - 1), scored=scored and not keep_native)
         if kind == SLIDING_ATTENTION else layer
         for kind, layer in zip(model.layer_types, profile.layers)
     ]
@@ -167,13 +168,14 @@ def rebudget_whole(profile: Profile, budget: float, source: str = "profile", imp
     native, least = native_window(profile.model), smallest_window(profile.model)
     window = profile_window(profile) or native
     sinks = next((layer.sinks for layer in profile.layers if layer.window is not None), None)
+    scored = any(layer.scored for layer in profile.layers)
     scaled = max(least, min(native, math.ceil(window * budget / profile.budget - 1e-9)))
     tried = sorted({scaled, *[w for w in (native // 2, native // 4, least) if w < scaled]}, reverse=True)
     error = None
     for candidate in tried:
         try:
             return with_windows(profile, budget, candidate, tokens=tokens, sinks=WINDOW_SINKS if sinks is None else sinks,
-                                source=source, importance_curves=importance_curves)
+                                scored=scored, source=source, importance_curves=importance_curves)
         except KvtoolError as exc:
             error = exc
     raise error

@@ -32,6 +32,7 @@ from kvtool.runtime.held import HeldLayer
 from kvtool.runtime.importance import ScoreRequest, attention_with_scores, decode_attention_with_scores, prompt_scores
 from kvtool.runtime.importance import chunked
 from kvtool.runtime.layer import CompressingLayer
+from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
 ATTENTION_NAME = "kvtool"
 # The forward keyword argument that carries the KvtoolCache from the model's forward to this function.
@@ -58,6 +59,8 @@ def kvtool_attention_forward(
         return layer.assemble([output for output, _ in outputs]), None
     if isinstance(layer, HeldLayer):
         return _attend_held(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    if isinstance(layer, RecordedWindowLayer):
+        layer.record_rows(query, query.shape[-1] ** -0.5 if scaling is None else scaling)
     if not isinstance(layer, CompressingLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return _attend(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -87,7 +90,9 @@ def _attend(
         else:
             # Budget 1.0 keeps sdpa's own output bit for bit; scoring (if any) runs beside it.
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-            if layer.needs_importance:
+            if layer.scores_last_rows_only:
+                scores = layer.last_rows_scores(query, key, attention_mask, scaling)
+            elif layer.needs_importance:
                 scores = prompt_scores(query, key, attention_mask, scaling, request)
         if layer.plan.record_importance:
             layer.record_rows(query, scaling)

@@ -62,7 +62,9 @@ class WindowScorer(Scorer):
         return max(recent_window, self.window)
 
 
-def window_sums(rows: torch.Tensor, keys: torch.Tensor, token_valid: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+def window_sums(
+    rows: torch.Tensor, keys: torch.Tensor, token_valid: torch.Tensor, scaling: float, window: int, span: int | None = None,
+) -> torch.Tensor:
     """The observation-window scores (`PromptScores.window`) of the last `window` prompt rows,
     brute force from those rows' queries: what a prompt pass asked for `window` would give.
 
@@ -70,6 +72,8 @@ def window_sums(rows: torch.Tensor, keys: torch.Tensor, token_valid: torch.Tenso
     left-padded causal prompt; keys: [B, Hkv, n, D]; token_valid: [B, n]. Returns [B, Hkv, n], each
     KV head the mean over its query heads of the probabilities the last `window` rows give every
     column; padded columns 0. Calibration records R rows once and serves every window up to R.
+    `span`: a sliding-window layer's window W (transformers' mask: a row sees itself and the W - 1
+    columns before it); None: causal only.
     """
     if not 1 <= window <= rows.shape[2]:
         raise KvtoolError(f"internal: {rows.shape[2]} recorded rows cannot serve an observation window of {window}")
@@ -81,7 +85,10 @@ def window_sums(rows: torch.Tensor, keys: torch.Tensor, token_valid: torch.Tenso
     logits = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [B, Hq, w, n]
     position = torch.arange(n, device=keys.device)
     row_position = torch.arange(n - window, n, device=keys.device)
-    allowed = (position[None, :] <= row_position[:, None])[None, None] & token_valid.bool()[:, None, None, :]
+    seen = position[None, :] <= row_position[:, None]
+    if span is not None:
+        seen &= position[None, :] > row_position[:, None] - span
+    allowed = seen[None, None] & token_valid.bool()[:, None, None, :]
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
     summed = probs.sum(dim=2)  # [B, Hq, n]
     return summed.view(batch, kv_heads, heads // kv_heads, n).mean(dim=2)

@@ -62,6 +62,28 @@ class PromptCompression:
         return request
 
     @property
+    def scores_last_rows_only(self) -> bool:
+        """A scored window reads only its last rows' attention (`window_plan`): a few rows against
+        the prompt, not a second pass over the whole of it."""
+        plan = self.plan
+        request = self.score_request
+        return (self.compresses and plan.cap is not None and plan.native_window is not None and not plan.record_importance
+                and plan.select.needs_importance and not plan.evict.needs_scores
+                and request.window > 0 and not request.heads and not request.expected)
+
+    def last_rows_scores(self, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> PromptScores:
+        """The observation-window scores of a scored window's prompt forward (`scores_last_rows_only`),
+        from its last rows under the model's sliding mask; the column sums it never reads are left
+        as the window's mean over KV heads."""
+        bsz, n = keys.shape[0], keys.shape[2]
+        valid = torch.ones(bsz, n, dtype=torch.bool, device=keys.device) if mask is None \
+            else mask[:, 0].diagonal(dim1=-2, dim2=-1)
+        window = self.score_request.window
+        rows = query[:, :, -window:]
+        sums = window_sums(rows, keys, valid, scaling, min(window, n), span=self.plan.native_window + 1)
+        return PromptScores(importance=sums.mean(dim=1), window=sums)
+
+    @property
     def entry_valid(self) -> torch.Tensor:
         """Slot validity shaped to broadcast against the per-entry metadata ([B, S] or [B, 1, S])."""
         return self.valid[:, None, :] if self.per_head else self.valid
@@ -236,7 +258,14 @@ class PromptCompression:
             )
         if not ((self.compresses and plan.select.needs_importance) or plan.record_importance):
             return None
-        return plan.scoring.score(scores, token_valid, plan.heads == "per-head")
+        score = plan.scoring.score(scores, token_valid, plan.heads == "per-head")
+        if plan.cap is not None and plan.native_window is not None:
+            # A scored window keeps entries of the model's own window only: with the oldest dropped
+            # first, none of them can then outlive it.
+            real_rank = torch.cumsum(token_valid.long(), dim=1) - 1
+            outside = real_rank < token_valid.sum(dim=1, keepdim=True) - plan.native_window
+            score = score.masked_fill(outside if score.dim() == 2 else outside[:, None], float("-inf"))
+        return score
 
     def _protected_recent(self, keep: np.ndarray) -> int | np.ndarray:
         """The recent tokens selection keeps whatever their score: the plan's window, or its share
