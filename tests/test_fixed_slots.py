@@ -284,3 +284,28 @@ def test_the_drafts_steps_through_fixed_slots_draft_what_eager_steps_draft(model
     for a, b in zip(eager.cache.layers, fixed.cache.layers):
         assert np.array_equal(a.kept, b.kept)
         assert torch.equal(a.order, b.order)
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 27]], ids=["one row", "left-padded"])
+def test_fixed_slots_decode_scored_windows_as_the_eager_steps(lengths: list[int], monkeypatch) -> None:
+    """A hybrid model's scored windows (TOVA's rule inside the model's window) step through fixed slots
+    as they step eagerly, past the windows' first departures."""
+    import dataclasses
+    import importlib
+
+    from tiny_models import tiny_gemma3
+
+    monkeypatch.setattr(importlib.import_module("kvtool.runtime.attach"), "SCORED_WINDOW_ROWS", 2)
+    gemma = tiny_gemma3()
+    base = uniform_profile(gemma, 0.3, RECIPES["tova, shared"])
+    profile = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(layer, window=4, sinks=1, compress=False, ratio=1.0, scored=True) if kind == "sliding_attention" else layer
+        for kind, layer in zip(base.model.layer_types, base.layers)
+    ))
+    prompt = _prompt(lengths)
+    eager_tokens, eager_logits, eager = _decode(gemma, profile, prompt, "eager")
+    fixed_tokens, fixed_logits, fixed = _decode(gemma, profile, prompt, "fixed")
+    assert torch.equal(eager_tokens, fixed_tokens)
+    torch.testing.assert_close(fixed_logits, eager_logits, rtol=1e-9, atol=1e-9)
+    for a, b in zip(eager.layers, fixed.layers):
+        assert np.array_equal(a.kept, b.kept) and a.seen == b.seen

@@ -305,21 +305,32 @@ def _scored_window_positions(query, key, scaling, span: int, window: int, sinks:
 
 def _kept_reference(model, ids: torch.Tensor, kept: dict[int, list[int]], window: int, sinks: int, fed: torch.Tensor) -> list[torch.Tensor]:
     """Logits, feeding `fed` [1, k] after the prompt, of a full cache whose decode steps see, in each
-    layer of `kept`, the prompt positions it lists, then each new token, the oldest after the first
-    `sinks` going once more than `window` are held: brute force, one unpadded sequence."""
+    layer of `kept`, the prompt positions it lists, then each new token; once more than `window` are
+    held, the one leaving the model's window goes, else the one (after the first `sinks`) the new
+    token attended least, averaged over the query heads: brute force, one unpadded sequence."""
     name = "kvtool-test-kept-window"
     held = {i: list(positions) for i, positions in kept.items()}
+    span = model.config.sliding_window
 
     def restricted(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
         kwargs.pop("sliding_window", None)
         positions = held.get(module.layer_idx)
         if positions is not None and query.shape[2] == 1:
-            positions.append(key.shape[2] - 1)
+            new = key.shape[2] - 1
+            positions.append(new)
             allow = torch.zeros(key.shape[2], dtype=torch.bool)
             allow[positions] = True
             out = sdpa_attention_forward(module, query, key, value, allow[None, None, None, :], dropout, scaling, **kwargs)
             if len(positions) > window:
-                positions.pop(sinks)  # the oldest one after the sinks
+                candidates = positions[sinks:]
+                leaving = [p for p in candidates if p <= new - (span - 1)]
+                if leaving:
+                    positions.remove(leaving[0])
+                else:
+                    k = key[0].double().repeat_interleave(query.shape[1] // key.shape[1], dim=0)[:, positions]
+                    probs = torch.softmax(torch.einsum("hd,hnd->hn", query[0, :, 0].double(), k) * scaling, dim=-1).mean(dim=0)
+                    received = {p: probs[j].item() for j, p in enumerate(positions)}
+                    positions.remove(min(candidates, key=lambda p: received[p]))
             return out
         return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
 
@@ -342,7 +353,8 @@ def _kept_reference(model, ids: torch.Tensor, kept: dict[int, list[int]], window
 @pytest.mark.parametrize("build", [tiny_gemma3, tiny_mistral], ids=["gemma3", "mistral"])
 def test_scored_window_equals_brute_force(build, window, sinks, rows, pool, monkeypatch):
     """A scored window keeps its sinks, the last rows and the top-scored rest of the model's own window,
-    then drops the oldest first: logits equal attention masked to that brute-force choice."""
+    then drops what each new token attended least (or what leaves the model's window): logits equal
+    attention masked to that brute-force choice."""
     import importlib
 
     attach_module = importlib.import_module("kvtool.runtime.attach")

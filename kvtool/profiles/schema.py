@@ -179,8 +179,9 @@ class LayerProfile:
     window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
     sinks: int | None = field(default=None, metadata=rule(low=0, omit_none=True))
     # A window-shaped layer that keeps, beside its sinks, the entries of the model's own window that
-    # the prompt's last rows attended most instead of the most recent ones (selection by score inside
-    # the window; generation still drops the oldest first, so no entry outlives the model's window).
+    # the prompt's last row attended most instead of the most recent ones (selection by score inside
+    # the window); generation then drops what each new token attended least, or the entry leaving
+    # the model's window, so none outlives it (`runtime.eviction.window_tova`).
     scored: bool = field(default=False, metadata=rule(omit_default=True))
 
 

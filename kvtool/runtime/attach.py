@@ -35,6 +35,7 @@ from kvtool.runtime.held import HeldCache
 from kvtool.runtime.importance import LayerQueries
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.layer.plan import SCORED_WINDOW_POOL, SCORED_WINDOW_ROWS
+from kvtool.runtime.eviction.window_tova import WindowTova
 from kvtool.runtime.eviction import EVICT_RULES, evict_rule
 from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.selection import select_rule
@@ -164,14 +165,18 @@ def layer_plans(profile: Profile, min_kept: int = 0, queries: dict[int, LayerQue
 
 
 def window_plan(layer: LayerProfile, model) -> LayerPlan:
-    """A window-shaped layer: its first `sinks` tokens and a queue of the most recent, `window` in all;
-    a scored one (`LayerProfile.scored`) keeps its top-scored entries of the model's own window instead
-    (the layer never ranks older ones: `PromptCompression._rank_by`), then drops the oldest first."""
-    scored = dict(select=select_rule("importance"), scorer="window", window=SCORED_WINDOW_ROWS, pool=SCORED_WINDOW_POOL) \
-        if layer.scored else dict(select=select_rule("recent"))
+    """A window-shaped layer: its first `sinks` tokens and a queue of the most recent, `window` in all.
+    A scored one (`LayerProfile.scored`) keeps the top-scored entries of the model's own window
+    instead (the layer never ranks older ones: `PromptCompression._rank_by`), and generation drops
+    the entry the new token attended least, or the one leaving the model's window (`WindowTova`)."""
+    native = whole_cache.native_window(model)
+    rules = dict(select=select_rule("recent"), evict=evict_rule("sliding"))
+    if layer.scored:
+        rules = dict(select=select_rule("importance"), evict=WindowTova(native), scorer="window",
+                     window=SCORED_WINDOW_ROWS, pool=SCORED_WINDOW_POOL)
     return LayerPlan(
         ratio=1.0, merge=merge_rule("none"), sink_tokens=layer.sinks or 0, recent_window=0, truncation_distance=0,
-        evict=evict_rule("sliding"), cap=layer.window, native_window=whole_cache.native_window(model), **scored,
+        cap=layer.window, native_window=native, **rules,
     )
 
 
