@@ -1,0 +1,100 @@
+"""What a shorter sliding window should keep, measured as calibration measures it.
+
+Runs calibration's full pass on a hybrid model's calibration prompts (the shipped set, drawn and
+lengthened as `kvtool calibrate` draws them), then teacher-forces the references through the
+profile's recipe with every sliding layer given a window of each size, kept by each rule:
+
+- `recent`: the first tokens and the most recent ones (what engines accept per layer);
+- `scored rN pP`: the first tokens and the entries of the model's own window that the last N prompt
+  rows attended most (max-pooled over P), the oldest dropped first while generating;
+- `scored r1 p1 + window-tova`: the same with one row, then TOVA's rule inside the window while
+  generating (what calibration ships: `LayerProfile.scored`).
+
+PPL on the half of the prompts that chooses a recipe and on the held-out half.
+
+    .venv/bin/python benchmarks/window_rules.py gemma3-270m --profile kvtool/profiles/builtin/gemma3-270m-b0.2.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from dataclasses import replace
+
+from kvtool.calibrate.config import CalibrateConfig
+from kvtool.calibrate.passes import full_pass
+from kvtool.calibrate.runner import draw, encode_halves
+from kvtool.calibrate.windows import _side_by_side
+from kvtool.data import load_jsonl
+from kvtool.data.long_prompts import long_prompts
+from kvtool.models import use_offline_defaults
+from kvtool.models.loader import as_loaded
+from kvtool.profiles import read_profile, whole_cache
+from kvtool.runtime.eviction import evict_rule
+
+attach_module = importlib.import_module("kvtool.runtime.attach")
+SHIPPED = attach_module.window_plan
+SHIPPED_ROWS = (attach_module.SCORED_WINDOW_ROWS, attach_module.SCORED_WINDOW_POOL)
+
+
+def rule(rows: int, pool: int, generation: str):
+    """`window_plan` with a scored window's rows, pool and generation rule set."""
+    def plan(layer, model):
+        attach_module.SCORED_WINDOW_ROWS, attach_module.SCORED_WINDOW_POOL = rows, pool
+        built = SHIPPED(layer, model)
+        return built if generation == "window-tova" or not layer.scored else replace(built, evict=evict_rule(generation))
+    return plan
+
+
+VARIANTS = {
+    "recent": (False, SHIPPED),
+    "scored r32 p7": (True, rule(32, 7, "sliding")),
+    "scored r8 p7": (True, rule(8, 7, "sliding")),
+    "scored r1 p1": (True, rule(1, 1, "sliding")),
+    "scored r1 p1 + window-tova": (True, rule(1, 1, "window-tova")),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--profile", required=True, help="the recipe and budget to split (a hybrid profile)")
+    parser.add_argument("--windows", default="127,64,32")
+    args = parser.parse_args()
+    use_offline_defaults()
+    started = time.perf_counter()
+    config = CalibrateConfig().checked()
+    records = load_jsonl(None)
+    _, choosing, confirming = draw(records, config)
+    long = lambda part: long_prompts(part, records, config.long_prompt_tokens, config.seed)  # noqa: E731
+    choosing, confirming = long(choosing), long(confirming)
+    config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * config.long_prompt_tokens))
+    loaded = as_loaded(args.model, "calibrate")
+    profile = read_profile(args.profile)
+    profile = replace(profile, method=replace(profile.method, draft=None))
+    batches, answers = encode_halves(loaded, choosing, confirming, config)
+    measured = full_pass(loaded.model, loaded.tokenizer, batches, answers, profile.method,
+                         reference_tokens=config.reference_tokens, with_references=True)
+    split = len([b for b in batches if b.rows[0] < len(choosing)])
+    print(f"full pass: {time.perf_counter() - started:.0f} s", flush=True)
+    windows = [int(w) for w in args.windows.split(",")]
+    print("| prompts | window | " + " | ".join(VARIANTS) + " |")
+    print("| --- | --- |" + " --- |" * len(VARIANTS))
+    for part, states in (("choosing", measured.states[:split]), ("held out", measured.states[split:])):
+        for window in windows:
+            row = []
+            for scored, plan in VARIANTS.values():
+                candidate = whole_cache.with_windows(profile, profile.budget, window, tokens=profile.budget_tokens, scored=scored)
+                attach_module.window_plan = plan
+                try:
+                    row.append(float(_side_by_side(loaded.model, [candidate], states, lambda *_: None)[0]))
+                finally:
+                    attach_module.window_plan = SHIPPED
+                    attach_module.SCORED_WINDOW_ROWS, attach_module.SCORED_WINDOW_POOL = SHIPPED_ROWS
+            print(f"| {part} | {window} | " + " | ".join(f"{p:.3f}" for p in row) + " |", flush=True)
+    print(f"{time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
