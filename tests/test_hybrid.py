@@ -392,3 +392,24 @@ def test_a_scored_full_attention_layer_is_refused():
         dataclasses.replace(layer, scored=kind != SLIDING) for kind, layer in zip(profile.model.layer_types, profile.layers)))
     with pytest.raises(KvtoolError, match="only a sliding layer given a window of its own can keep scored entries"):
         attach(model, profile)
+
+
+def test_scored_windows_survive_the_file_and_rebudgeting(tmp_path):
+    """`scored` is written only where true (older files stay as they were), read back, and kept when a
+    profile is re-budgeted; a window grown to the model's own is transformers' layer again, unscored."""
+    from kvtool.profiles import read_profile, save_profile
+
+    model = tiny_gemma3()
+    base = uniform_profile(model, 1.0)
+    base = dataclasses.replace(base, method=dataclasses.replace(base.method, ratios="uniform"))
+    plain = whole_cache.with_windows(base, 0.5, 4, tokens=64)
+    scored = whole_cache.with_windows(base, 0.5, 4, tokens=64, scored=True)
+    save_profile(plain, tmp_path / "plain.yaml")
+    save_profile(scored, tmp_path / "scored.yaml")
+    assert "scored" not in (tmp_path / "plain.yaml").read_text()
+    again = read_profile(tmp_path / "scored.yaml")
+    assert [layer.scored for layer in again.layers] == [kind == SLIDING for kind in again.model.layer_types]
+    wider, _ = whole_cache.rebudget(again, 0.6)
+    assert all(layer.scored for layer in wider.layers if layer.window is not None)
+    whole, _ = whole_cache.rebudget(again, 1.0)
+    assert all(layer.window is None and not layer.scored for layer in whole.layers)
