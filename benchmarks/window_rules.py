@@ -8,7 +8,8 @@ profile's recipe with every sliding layer given a window of each size, kept by e
 - `scored rN pP`: the first tokens and the entries of the model's own window that the last N prompt
   rows attended most (max-pooled over P), the oldest dropped first while generating;
 - `scored r1 p1 + window-tova`: the same with one row, then TOVA's rule inside the window while
-  generating (what calibration ships: `LayerProfile.scored`).
+  generating (what calibration ships: `LayerProfile.scored`);
+- `the same without sinks`: that rule with no first tokens kept (the model's own window never reaches them).
 
 PPL on the half of the prompts that chooses a recipe and on the held-out half.
 
@@ -31,6 +32,7 @@ from kvtool.data.long_prompts import long_prompts
 from kvtool.models import use_offline_defaults
 from kvtool.models.loader import as_loaded
 from kvtool.profiles import read_profile, whole_cache
+from kvtool.profiles.whole_cache import WINDOW_SINKS
 from kvtool.runtime.eviction import evict_rule
 
 attach_module = importlib.import_module("kvtool.runtime.attach")
@@ -47,12 +49,14 @@ def rule(rows: int, pool: int, generation: str):
     return plan
 
 
+# name: (scored, sinks, window_plan)
 VARIANTS = {
-    "recent": (False, SHIPPED),
-    "scored r32 p7": (True, rule(32, 7, "sliding")),
-    "scored r8 p7": (True, rule(8, 7, "sliding")),
-    "scored r1 p1": (True, rule(1, 1, "sliding")),
-    "scored r1 p1 + window-tova": (True, rule(1, 1, "window-tova")),
+    "recent": (False, WINDOW_SINKS, SHIPPED),
+    "scored r32 p7": (True, WINDOW_SINKS, rule(32, 7, "sliding")),
+    "scored r8 p7": (True, WINDOW_SINKS, rule(8, 7, "sliding")),
+    "scored r1 p1": (True, WINDOW_SINKS, rule(1, 1, "sliding")),
+    "scored r1 p1 + window-tova": (True, WINDOW_SINKS, rule(1, 1, "window-tova")),
+    "the same without sinks": (True, 0, rule(1, 1, "window-tova")),
 }
 
 
@@ -61,7 +65,12 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--profile", required=True, help="the recipe and budget to split (a hybrid profile)")
     parser.add_argument("--windows", default="127,64,32")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which columns, by name, comma-separated")
     args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r} (known: {', '.join(VARIANTS)})")
     use_offline_defaults()
     started = time.perf_counter()
     config = CalibrateConfig().checked()
@@ -79,13 +88,15 @@ def main() -> None:
     split = len([b for b in batches if b.rows[0] < len(choosing)])
     print(f"full pass: {time.perf_counter() - started:.0f} s", flush=True)
     windows = [int(w) for w in args.windows.split(",")]
-    print("| prompts | window | " + " | ".join(VARIANTS) + " |")
-    print("| --- | --- |" + " --- |" * len(VARIANTS))
+    print("| prompts | window | " + " | ".join(names) + " |")
+    print("| --- | --- |" + " --- |" * len(names))
     for part, states in (("choosing", measured.states[:split]), ("held out", measured.states[split:])):
         for window in windows:
             row = []
-            for scored, plan in VARIANTS.values():
-                candidate = whole_cache.with_windows(profile, profile.budget, window, tokens=profile.budget_tokens, scored=scored)
+            for scored, sinks, plan in (VARIANTS[n] for n in names):
+                candidate = whole_cache.with_windows(
+                    profile, profile.budget, window, tokens=profile.budget_tokens, sinks=sinks, scored=scored
+                )
                 attach_module.window_plan = plan
                 try:
                     row.append(float(_side_by_side(loaded.model, [candidate], states, lambda *_: None)[0]))

@@ -3,6 +3,7 @@ the whole-cache budget, and the references they must match."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -260,23 +261,30 @@ def test_a_hybrid_profile_rebudgets_the_whole_cache():
     assert whole_cache.profile_window(at_01) == 2 and abs(whole_cache.shares(at_01)["all"] - 0.12) < 0.01
 
 
+@contextlib.contextmanager
+def _attention(model, name: str, function):
+    """`model` runs `function` as its attention (and sdpa's masks) inside the block."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def _prompt_queries_and_keys(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor, float]]:
     """Every sliding layer's prompt queries and keys (after rotary) and its scaling, from one plain forward."""
-    name, seen = "kvtool-test-capture", {}
+    seen = {}
 
     def capture(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
         if getattr(module, "is_sliding", True):  # Mistral's layers all slide and say nothing
             seen[module.layer_idx] = (query.clone(), key.clone(), scaling)
         return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
 
-    AttentionInterface.register(name, capture)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
+    with _attention(model, "kvtool-test-capture", capture):
         model(input_ids=ids, use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
     return seen
 
 
@@ -308,7 +316,6 @@ def _kept_reference(model, ids: torch.Tensor, kept: dict[int, list[int]], window
     layer of `kept`, the prompt positions it lists, then each new token; once more than `window` are
     held, the one leaving the model's window goes, else the one (after the first `sinks`) the new
     token attended least, averaged over the query heads: brute force, one unpadded sequence."""
-    name = "kvtool-test-kept-window"
     held = {i: list(positions) for i, positions in kept.items()}
     span = model.config.sliding_window
 
@@ -334,18 +341,12 @@ def _kept_reference(model, ids: torch.Tensor, kept: dict[int, list[int]], window
             return out
         return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
 
-    AttentionInterface.register(name, restricted)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
+    with _attention(model, "kvtool-test-kept-window", restricted):
         cache = DynamicCache()  # plain layers keep every entry for the reference to choose from
         out = [model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]]
         for t in range(fed.shape[1]):
             pos = torch.tensor([[ids.shape[1] + t]])
             out.append(model(input_ids=fed[:, t : t + 1], position_ids=pos, cache=cache, use_cache=True).logits[:, -1])
-    finally:
-        model.set_attn_implementation(previous)
     return out
 
 

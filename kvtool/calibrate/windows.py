@@ -5,7 +5,11 @@ full-attention layers (`profiles.whole_cache`). Calibration's windows are scored
 (`LayerProfile.scored`): their first tokens, then the entries of the model's own window that the
 prompt's last row attended most, not simply the most recent (what engines accept per layer): on
 Gemma 3's calibration prompts at 0.2 the scored windows measured lower PPL at every rung tried, on
-the prompts that choose and on the held-out ones (docs/results.md, "scored windows"). Which split loses least is measured, not assumed: every window of a ladder
+the prompts that choose and on the held-out ones (`benchmarks/window_rules.py`). They keep no sinks:
+the model's own sliding layers never attend to the first tokens of a long prompt, and 4 sinks
+measured 4x the PPL of none at every rung there.
+
+Which split loses least is measured, not assumed: every window of a ladder
 (the model's own, half and a quarter of it, 64, 32) whose split the budget can pay for is run
 as it will ship on the prompts that chose the recipe: each batch's recorded prompt cut to the split
 (`truncation.compress_recorded_prompt`: the prompt's attention is the model's own window whatever a
@@ -49,7 +53,9 @@ def splits(profile: Profile, budget: float, tokens: int) -> dict[int, Profile]:
     out, last_error = {}, None
     for window in ladder(profile):
         try:
-            out[window] = whole_cache.with_windows(profile, budget, window, tokens=tokens, scored=True, source="calibrate")
+            out[window] = whole_cache.with_windows(
+                profile, budget, window, tokens=tokens, sinks=0, scored=True, source="calibrate"
+            )
         except KvtoolError as exc:
             last_error = exc
     if not out:
