@@ -144,3 +144,53 @@ def test_prompt_mean_nll_weighs_every_prompt_the_same():
     per_prompt.add(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.bool))
     assert per_prompt.ppl() == pytest.approx(math.exp(2.0)) and len(per_prompt.means) == 2
     assert math.isnan(PromptMeanNll().ppl())
+
+
+@pytest.mark.parametrize("case", ["llama", "llama, compressed", "gemma3, soft-capped", "llama, a cap it ignores"])
+def test_teacher_forcing_scores_the_same_with_its_output_layer_deferred(case, batch, monkeypatch) -> None:
+    """`scoring.deferred`: the output layer run once over the recorded steps gives the per-step
+    pass's NLL (to float64 rounding: a product over more rows may sum in another order) and top-1, through a full or a compressed cache, with Gemma's logit
+    soft-capping; where the model's logits are not what it reconstructs (Llama ignores a soft-cap
+    setting), its first-step check keeps the per-step logits, and the scores are still the same."""
+    from kvtool.runtime import attach
+    from kvtool.scoring.deferred import DeferredHead
+    from tiny_models import profile_with, tiny_gemma3
+
+    model = tiny_gemma3(seed=3) if case.startswith("gemma3") else tiny_llama(layers=2, seed=5)
+    if "cap" in case:
+        model.config.final_logit_softcapping = 2.0
+    handle = attach(model, profile_with(model, 0.5, eviction="tova")) if "compressed" in case else None
+
+    def new_cache():
+        return handle.new_cache() if handle else DynamicCache(config=model.config)
+
+    length = 12
+    cache = new_cache()
+    with torch.inference_mode():
+        first = prompt_forward(model, batch, cache)
+        refs = reference_continuations(model, cache, first, batch, length=length, eos_ids=set(), pad_id=0, answers=[None, None, [11, 12, 13]])
+
+    def forced(defer: bool):
+        monkeypatch.setattr(DeferredHead, "applies", classmethod(lambda cls, *a: defer))
+        calls = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+        cache = new_cache()
+        try:
+            with torch.inference_mode():
+                first = prompt_forward(model, batch, cache)
+                calls.clear()
+                return teacher_forced(model, cache, first, batch, refs), len(calls)
+        finally:
+            hook.remove()
+
+    (deferred, deferred_calls), (stepped, stepped_calls) = forced(True), forced(False)
+    assert torch.allclose(deferred.nll, stepped.nll, rtol=1e-12, atol=0) and torch.equal(deferred.top1, stepped.top1)
+    assert stepped_calls == length - 1
+    # Deferred: the first step and its check, then one block for the other 10 steps; refused: every
+    # step and the check.
+    assert deferred_calls == (length if "ignores" in case else 3)
+    assert model.get_output_embeddings().__class__ is torch.nn.Linear  # put back
+    if handle:
+        handle.detach()
+    if not handle:
+        assert torch.equal(stepped.nll, refs.nll_full) and refs.scored[:2].all()
