@@ -54,7 +54,7 @@ def splits(profile: Profile, budget: float, tokens: int) -> dict[int, Profile]:
     for window in ladder(profile):
         try:
             out[window] = whole_cache.with_windows(
-                profile, budget, window, tokens=tokens, sinks=0, scored=True, source="calibrate"
+                profile, budget, window, tokens=tokens, scored=True, source="calibrate"
             )
         except KvtoolError as exc:
             last_error = exc
