@@ -2,8 +2,8 @@
 
 A sliding-window layer can keep a shorter window and every entry it gives up goes to the
 full-attention layers (`profiles.whole_cache`). Calibration's windows are scored
-(`LayerProfile.scored`): their first tokens, then the entries of the model's own window that the
-prompt's last row attended most, not simply the most recent (what engines accept per layer): on
+(`LayerProfile.scored`): the entries of the model's own window that the prompt's last row attended
+most, not simply the most recent (what engines accept per layer): on
 Gemma 3's calibration prompts at 0.2 the scored windows measured lower PPL at every rung tried, on
 the prompts that choose and on the held-out ones (`benchmarks/window_rules.py`). They keep no sinks:
 the model's own sliding layers never attend to the first tokens of a long prompt, and 4 sinks
@@ -53,9 +53,7 @@ def splits(profile: Profile, budget: float, tokens: int) -> dict[int, Profile]:
     out, last_error = {}, None
     for window in ladder(profile):
         try:
-            out[window] = whole_cache.with_windows(
-                profile, budget, window, tokens=tokens, scored=True, source="calibrate"
-            )
+            out[window] = whole_cache.with_windows(profile, budget, window, tokens=tokens, scored=True, source="calibrate")
         except KvtoolError as exc:
             last_error = exc
     if not out:
