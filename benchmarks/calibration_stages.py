@@ -20,6 +20,8 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--samples", type=int, help="calibrate's --samples (default: its own)")
+    parser.add_argument("--long-prompts", type=int, help="calibrate's --long-prompts (default: its own)")
     args = parser.parse_args()
     use_offline_defaults()
     started = time.perf_counter()
@@ -33,7 +35,8 @@ def main() -> None:
         if done >= total:
             print(f"{now:7.1f} s  end   {stage} ({done}/{total})", flush=True)
 
-    run = calibrate(args.model, args.budget, out=args.out, progress=progress)
+    settings = {"samples": args.samples, "long_prompt_tokens": args.long_prompts}
+    run = calibrate(args.model, args.budget, out=args.out, progress=progress, **{k: v for k, v in settings.items() if v})
     print(f"{run.seconds:7.1f} s  done: {run.profile.method}")
     if run.windows is not None:
         print(f"windows: {run.windows.ppl}; held out {run.windows.held_out}")

@@ -40,7 +40,7 @@ def main() -> int:
             chosen, choosing, confirming = draw(load_jsonl(None), config)
             if dataset_hash(chosen) != info.dataset_hash:
                 raise KvtoolError(f"{path} was calibrated on other prompts than the packaged set's draw (seed {config.seed})")
-            batches, _ = encode_halves(loaded, choosing, confirming, config)
+            batches, _, _ = encode_halves(loaded, choosing, confirming, config)
             ratio = prompt_overhead(loaded.model, profile, batches[-1:])
             recorded = "none" if info.prompt_overhead is None else f"{info.prompt_overhead:.3f}x"
             draft = draft_phrase(profile.method.draft) or "no draft"

@@ -23,7 +23,7 @@ import importlib
 import time
 from dataclasses import replace
 
-from kvtool.calibrate.config import CalibrateConfig
+from kvtool.calibrate.config import DEFAULT_LONG_PROMPT_TOKENS, CalibrateConfig
 from kvtool.calibrate.passes import full_pass
 from kvtool.calibrate.runner import draw, encode_halves
 from kvtool.calibrate.windows import _side_by_side
@@ -77,15 +77,16 @@ def main() -> None:
     config = CalibrateConfig().checked()
     records = load_jsonl(None)
     _, choosing, confirming = draw(records, config)
-    long = lambda part: long_prompts(part, records, config.long_prompt_tokens, config.seed)  # noqa: E731
+    tokens = config.long_prompt_tokens or DEFAULT_LONG_PROMPT_TOKENS
+    long = lambda part: long_prompts(part, records, tokens, config.seed)  # noqa: E731
     choosing, confirming = long(choosing), long(confirming)
-    config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * config.long_prompt_tokens))
+    config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * tokens))
     loaded = as_loaded(args.model, "calibrate")
     profile = read_profile(args.profile)
     profile = replace(profile, method=replace(profile.method, draft=None))
-    batches, answers = encode_halves(loaded, choosing, confirming, config)
+    batches, answers, lengths = encode_halves(loaded, choosing, confirming, config)
     measured = full_pass(loaded.model, loaded.tokenizer, batches, answers, profile.method,
-                         reference_tokens=config.reference_tokens, with_references=True)
+                         reference_tokens=lengths, with_references=True)
     split = len([b for b in batches if b.rows[0] < len(choosing)])
     print(f"full pass: {time.perf_counter() - started:.0f} s", flush=True)
     windows = [int(w) for w in args.windows.split(",")]

@@ -1,10 +1,12 @@
-"""A profile with one change: its prompt scorer swapped (a one-change comparison for `kvtool eval`).
+"""A profile with one change: its prompt scorer or its generation rule swapped (a one-change
+comparison for `kvtool eval`).
 
-For the scorers that read them (`expected-attention`, `expected-output`) the per-head query
-statistics are recorded on the prompts `kvtool calibrate` draws with its defaults (the same seed and
-halves), as calibration would record them.
+For the rules that read them (the `expected-attention` and `expected-output` scorers, the
+`expected-attention` generation rule) the per-head query statistics are recorded on the prompts
+`kvtool calibrate` draws with its defaults (the same seed and halves), as calibration would record them.
 
     .venv/bin/python benchmarks/with_scorer.py smollm2 smollm2.yaml smollm2-ea.yaml --scorer expected-attention
+    .venv/bin/python benchmarks/with_scorer.py smollm2 smollm2.yaml smollm2-ea-evict.yaml --eviction expected-attention
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvtool.data import load_jsonl
 from kvtool.models import load_model, use_offline_defaults
 from kvtool.profiles import read_profile, save_profile
 from kvtool.profiles.schema import QUERY_SCORERS
+from kvtool.runtime.eviction import EVICT_RULES
 
 
 def main() -> None:
@@ -26,18 +29,20 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("profile")
     parser.add_argument("out")
-    parser.add_argument("--scorer", required=True)
+    parser.add_argument("--scorer")
+    parser.add_argument("--eviction")
     args = parser.parse_args()
     use_offline_defaults()
     profile = read_profile(args.profile)
+    scorer, eviction = args.scorer or profile.method.scorer, args.eviction or profile.method.eviction
     stats = profile.query_stats
-    if args.scorer in QUERY_SCORERS and stats is None:
+    if (scorer in QUERY_SCORERS or EVICT_RULES[eviction].needs_queries) and stats is None:
         loaded = load_model(args.model)
         config = CalibrateConfig().checked()
         _, choosing, confirming = draw(load_jsonl(None), config)
-        batches, _ = encode_halves(loaded, choosing, confirming, config)
+        batches, _, _ = encode_halves(loaded, choosing, confirming, config)
         stats = record_query_stats(loaded.model, batches)
-    method = dataclasses.replace(profile.method, scorer=args.scorer)
+    method = dataclasses.replace(profile.method, scorer=scorer, eviction=eviction)
     save_profile(dataclasses.replace(profile, method=method, query_stats=stats), args.out)
     print(f"wrote {args.out}" + (f" ({stats.queries} queries recorded)" if stats is not None else ""))
 

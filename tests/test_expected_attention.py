@@ -23,15 +23,16 @@ def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag(cos) + torch.diag(sin) @ turn
 
 
-def brute_force(keys, values, valid, mean, cov, rotation, future, out_proj=None):
+def brute_force(keys, values, valid, mean, cov, rotation, future, out_proj=None, starts=None):
     """Per query head q: its softmax over the prompt of the Gaussian's expected logits, times each
     value's weight relative to the row's mean, the weight ‖v‖ or, with `out_proj` (o_proj's weight),
-    ‖W_q v‖; summed into the KV head over its query heads / their count."""
+    ‖W_q v‖; summed into the KV head over its query heads / their count. The future queries sit at
+    the positions after `starts[b]` (default: the row's valid count, a prompt's length)."""
     bsz, kv_heads, n, dim = keys.shape
     heads = mean.shape[0]
     out = torch.zeros(bsz, kv_heads, n, dtype=torch.float64)
     for b in range(bsz):
-        start = int(valid[b].sum())
+        start = int(valid[b].sum()) if starts is None else int(starts[b])
         positions = torch.arange(start, start + future)[None]
         cos, sin = rotation.rotary(torch.zeros(1), positions, *(() if rotation.layer_type is None else (rotation.layer_type,)))
         turn = sum(rotation_matrix(cos[0, t].double(), sin[0, t].double()) for t in range(future)) / future

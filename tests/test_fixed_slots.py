@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
+from kvtool.profiles.queries import QueryStats
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.graphed import Decoder
 from kvtool.runtime.importance.decode import SLOT_CHUNK, SPLIT_FROM
@@ -37,7 +38,21 @@ RECIPES = {
     "heavy-hitter-window, shared": MethodSettings(eviction="heavy-hitter-window", window=4, pool=3),
     "sliding, per-head": MethodSettings(eviction="sliding", heads="per-head"),
     "prompt-only": MethodSettings(eviction="prompt-only"),
+    "expected-attention, per-head": MethodSettings(eviction="expected-attention", heads="per-head"),
+    "expected-attention, shared": MethodSettings(eviction="expected-attention"),
 }
+
+
+def recipe_profile(model, recipe: str):
+    """`uniform_profile` at 0.3 with the recipe's rules, and random query statistics where they read them."""
+    profile = uniform_profile(model, 0.3, RECIPES[recipe])
+    if not recipe.startswith("expected-attention"):
+        return profile
+    g = torch.Generator().manual_seed(2)
+    layers, heads, dim = model.config.num_hidden_layers, model.config.num_attention_heads, model.config.head_dim
+    root = torch.randn(layers, heads, dim, dim, generator=g) / dim
+    stats = QueryStats(tuple(range(layers)), torch.randn(layers, heads, dim, generator=g), root @ root.transpose(-1, -2), 100)
+    return dataclasses.replace(profile, query_stats=stats)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +90,7 @@ def _decode(model, profile, prompt: Prompt, mode: str, steps: int = STEPS, check
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("lengths", [[40], [40, 27]], ids=["one row", "left-padded"])
 def test_fixed_slots_decode_what_the_eager_steps_decode(model, recipe: str, lengths: list[int]) -> None:
-    profile = uniform_profile(model, 0.3, RECIPES[recipe])
+    profile = recipe_profile(model, recipe)
     prompt = _prompt(lengths)
     eager_tokens, eager_logits, eager = _decode(model, profile, prompt, "eager")
     fixed_tokens, fixed_logits, fixed = _decode(model, profile, prompt, "fixed")
@@ -168,20 +183,27 @@ class _HostReads(TorchDispatchMode):
         return out
 
 
-def _to_meta(cache) -> None:
+def _to_meta(cache, meta_model) -> None:
+    rotary = meta_model.model.rotary_emb
     for layer in cache.layers:
         for name, value in list(vars(layer).items()):
             if isinstance(value, torch.Tensor):
                 setattr(layer, name, value.to("meta"))
         layer.fixed = type(layer.fixed)(**{f.name: getattr(layer.fixed, f.name).to("meta") for f in dataclasses.fields(layer.fixed)})
+        queries = layer.plan.queries
+        if queries is not None:  # as the meta model's own statistics and rotary embedding would be
+            queries = dataclasses.replace(queries.to("meta"), rotation=dataclasses.replace(queries.rotation, rotary=rotary))
+            layer.plan = dataclasses.replace(layer.plan, queries=queries)
 
 
-@pytest.mark.parametrize("recipe", ["shipped: heavy-hitter, per-head, union", "fixed-point, shared", "tova, per-head"])
+@pytest.mark.parametrize(
+    "recipe", ["shipped: heavy-hitter, per-head, union", "fixed-point, shared", "tova, per-head", "expected-attention, per-head"]
+)
 def test_a_fixed_step_never_waits_for_the_device(model, recipe: str) -> None:
     """The step a CUDA graph captures must not read the GPU's values on the host or copy host data in.
     The meta device has no values: a step that read one fails there, and the dispatch mode records
     any host tensor a step takes in."""
-    profile = uniform_profile(model, 0.3, RECIPES[recipe])
+    profile = recipe_profile(model, recipe)
     prompt = _prompt([40, 27])
     meta_model = copy.deepcopy(model).to("meta")
     with torch.inference_mode(), attach(model, profile) as handle:
@@ -191,7 +213,7 @@ def test_a_fixed_step_never_waits_for_the_device(model, recipe: str) -> None:
     decoder.model = meta_model
     # Not in inference mode, which copies host data in below the dispatch mode's sight.
     with torch.no_grad(), attach(meta_model, profile):
-        _to_meta(cache)
+        _to_meta(cache, meta_model)
         token = torch.zeros(2, 1, dtype=torch.long, device="meta")
         position = torch.zeros(2, 1, dtype=torch.long, device="meta")
         with _HostReads() as reads:

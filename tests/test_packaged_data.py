@@ -21,8 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "kvtool" / "data"
 KINDS = {"document", "image", "chat", "code", "retrieval", "long-answer"}
-# Calibration scores 64-token references, so it has no long-answer rows yet (issue 50).
-CALIBRATION_KINDS = KINDS - {"long-answer"}
+# Calibration has every kind, its long-answer rows scored on 256-token references (issue 50).
+CALIBRATION_KINDS = KINDS
 NOISE = "RULER noise filler"  # the fixed filler paragraph both sets' noise haystacks repeat
 REQUIRED = {"prompt", "kind", "task", "sources", "tokens_smollm2"}
 OPTIONAL = {"answers", "note"}

@@ -142,10 +142,13 @@ def test_expected_attention_without_statistics_is_a_one_line_error() -> None:
     assert_one_line_error(info.value, "query statistics")
 
 
-@pytest.mark.parametrize("scorer", ["expected-attention", "expected-output"])
-def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path, scorer: str) -> None:
-    """Calibration records the statistics, ships them with a profile whose scorer reads them, and the
-    loaded profile generates as the one calibration returned."""
+@pytest.mark.parametrize(
+    "scorer, eviction",
+    [("expected-attention", "tova"), ("expected-output", "tova"), ("attention-sum", "expected-attention")],
+)
+def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path, scorer: str, eviction: str) -> None:
+    """Calibration records the statistics, ships them with a profile whose scorer or generation rule
+    reads them, and the loaded profile generates as the one calibration returned."""
     from kvtool.calibrate.recipes import SearchSpace
     from kvtool.calibrate.runner import calibrate
     from kvtool.runtime import load_profile
@@ -153,15 +156,16 @@ def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp
 
     model = tiny_llama(dtype=torch.float32)
     space = SearchSpace(
-        evictions=("tova",), selections=("importance",), scorers=(scorer,), ratio_sources=("uniform",),
+        evictions=(eviction,), selections=("importance",), scorers=(scorer,), ratio_sources=("uniform",),
         heads=("shared",), recent_shares=(0.0,), merge_modes=("none",), distances=(0,), seeds=(),
     )
-    start = MethodSettings(scorer=scorer, eviction="tova", merge="none", ratios="uniform")
+    start = MethodSettings(scorer=scorer, eviction=eviction, merge="none", ratios="uniform")
     run = calibrate(
         loaded(model), 0.3, data=word_prompts(4), samples=4, seed=1, reference_tokens=4, candidates=(0,),
         search=space, method=start, draft=None, out=tmp_path / "ea.yaml",
     )
-    assert run.profile.method.scorer == scorer and run.profile.query_stats is not None
+    assert run.profile.method.scorer == scorer and run.profile.method.eviction == eviction
+    assert run.profile.query_stats is not None
     assert sidecar_path(tmp_path / "ea.yaml").exists()
     profile = load_profile(tmp_path / "ea.yaml")
     torch.testing.assert_close(profile.query_stats.mean, run.profile.query_stats.mean)
@@ -172,6 +176,14 @@ def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp
             outputs.append(handle.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False))
     # Float16 covariances change scores only in their last digits: the same tokens are kept.
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_the_expected_attention_generation_rule_without_statistics_is_refused() -> None:
+    model = tiny_llama()
+    profile = uniform_profile(model, 0.3, MethodSettings(eviction="expected-attention"))
+    with pytest.raises(KvtoolError) as info:
+        attach(model, profile)
+    assert_one_line_error(info.value, "query statistics")
 
 
 def test_models_the_scorer_cannot_run_on_are_named() -> None:

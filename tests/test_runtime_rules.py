@@ -367,13 +367,24 @@ def reference_step(model, layers, token: int, position: int) -> tuple[torch.Tens
     return model.lm_head(inner.norm(hidden))[0, -1], received
 
 
-def reference_evict(heads: list[list[dict]], received: list[torch.Tensor], rule: str, share: int, seen: int, per_head: bool):
+def reference_evict(
+    heads: list[list[dict]], received: list[torch.Tensor], rule: str, share: int, seen: int, per_head: bool, queries=None
+):
     """Drop one entry per head from a layer over its share, as methods.md defines each rule."""
     if len(heads[0]) <= share or rule == "prompt-only":
         return
     if rule == "tova" and not per_head:
         mean = torch.stack(received).mean(dim=0)  # averaged over every query head of the layer
         received = [mean] * len(heads)
+    if rule == "expected-attention":  # ranked as `tova` ranks the new token's attention
+        keys = torch.stack([torch.stack([e["k"] for e in entries]) for entries in heads])[None]
+        values = torch.stack([torch.stack([e["v"] for e in entries]) for entries in heads])[None]
+        valid = torch.ones(1, keys.shape[2], dtype=torch.bool)
+        score = brute_force_expected(
+            keys, values, valid, queries.mean, queries.cov, queries.rotation, queries.future, starts=[seen]
+        )[0]
+        received = list(score if per_head else score.mean(dim=0, keepdim=True).expand_as(score))
+        rule = "tova"
     for kv, entries in enumerate(heads):
         if rule == "fixed-point":
             victim = next(i for i, e in enumerate(entries) if not e["frozen"])  # oldest after the frozen prefix
@@ -414,6 +425,9 @@ CASES = {
     # ... weighted by what each query head writes through the output projection.
     "per-head-output-tova": ("per-head", "expected-output", 1, 1, "none", "tova"),
     "shared-output-h2o": ("shared", "expected-output", 1, 1, "none", "heavy-hitter", 0.25),
+    # Expected Attention while generating, from the entries' true positions.
+    "per-head-window-expected": ("per-head", "window", 4, 3, "none", "expected-attention"),
+    "shared-expected-expected-position": ("shared", "expected-attention", 1, 1, "position", "expected-attention"),
 }
 
 
@@ -526,7 +540,9 @@ def test_compressed_decoding_matches_per_head_reference(case, draft):
                         share_probs = received[index][kv] if per_head else torch.stack(received[index]).mean(0)
                         for e, p in zip(entries, share_probs.tolist()):
                             e["score"] += p
-                    reference_evict(heads, received[index], rule, math.ceil(ratio * (seen + 1) - 1e-9), seen + 1, per_head)
+                    reference_evict(
+                        heads, received[index], rule, math.ceil(ratio * (seen + 1) - 1e-9), seen + 1, per_head, queries[index]
+                    )
         grown = math.ceil(0.5 * n) + len(steps) if rule == "prompt-only" else math.ceil(0.5 * (n + len(steps)))
         assert max(int(layer.keys.shape[2]) for layer in cache.layers) <= grown + GROWTH_SLOTS
 
@@ -550,6 +566,8 @@ BATCH_CASES = {
     "per-head-expected-tova": dict(heads="per-head", scorer="expected-attention", evict="tova", queries=True),
     "shared-expected-fixed-point": dict(scorer="expected-attention", queries=True),
     "per-head-output-tova": dict(heads="per-head", scorer="expected-output", evict="tova", queries=True),
+    "per-head-union-expected": dict(heads="per-head", scorer="union", window=8, pool=7, evict="expected-attention", queries=True),
+    "shared-expected-expected": dict(scorer="expected-attention", evict="expected-attention", queries=True),
 }
 
 

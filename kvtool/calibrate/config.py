@@ -22,6 +22,12 @@ DEFAULT_CANDIDATES = (0, 8, 16, 25, 48, 96)
 # last D prompt entries are gone after ~D / (1 - budget) steps; 32-token references ended before
 # that and favoured a D that lost on 64-token generations. Still a CPU calibration in minutes.
 REFERENCE_TOKENS = 64
+# Prompts of this kind ask for long answers (summaries, walkthroughs, tutorials): their references
+# run LONG_REFERENCE_TOKENS, in batches of their own, so that the search sees what a generation rule
+# does to an answer that outlives the compressed prompt (at 0.2 a 700-token prompt keeps ~140
+# entries: 256 new tokens replace them all) and not only the answer's first 64 tokens.
+LONG_ANSWER_KIND = "long-answer"
+LONG_REFERENCE_TOKENS = 256
 # The draft written into the profile (`MethodSettings.draft`, kvtool.runtime.draft): 32 tokens in two
 # rounds, the second drafted through the cache the first scored; verified, each round's draft checked
 # against the full-attention logits of the draft's forward. It costs drafted steps and one draft-row
@@ -58,6 +64,7 @@ class CalibrateConfig:
     method: MethodSettings = MethodSettings()
     candidates: Sequence[int] = DEFAULT_CANDIDATES
     reference_tokens: int = REFERENCE_TOKENS
+    long_reference_tokens: int = LONG_REFERENCE_TOKENS
     batch_size: int = DEFAULT_BATCH_SIZE
     merge_modes: Sequence[str] = DEFAULT_MERGE_MODES
     # The recipe search (kvtool.calibrate.recipes); None keeps `method`'s rules and searches only
@@ -81,7 +88,8 @@ class CalibrateConfig:
     # (recorded in the profile as `budget_tokens`), and the length of the long prompts calibration
     # builds from the drawn ones (data.long_prompts), past the windows so that they matter.
     budget_tokens: int = DEFAULT_BUDGET_TOKENS
-    long_prompt_tokens: int = DEFAULT_LONG_PROMPT_TOKENS
+    # None: DEFAULT_LONG_PROMPT_TOKENS on hybrid models, the prompts as they are elsewhere.
+    long_prompt_tokens: int | None = None
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -113,9 +121,10 @@ class CalibrateConfig:
             raise KvtoolError(f"max-prompt-overhead must be a number >= 1 (a multiple of the full cache's prompt phase), got {limit!r}")
         if isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int) or self.budget_tokens < 1:
             raise KvtoolError(f"budget-tokens must be a positive integer (a prompt length), got {self.budget_tokens!r}")
-        if isinstance(self.long_prompt_tokens, bool) or not isinstance(self.long_prompt_tokens, int) or self.long_prompt_tokens < 1:
+        tokens = self.long_prompt_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise KvtoolError(f"long-prompt-tokens must be a positive integer, got {self.long_prompt_tokens!r}")
-        if self.reference_tokens < 1 or self.batch_size < 1:
+        if self.reference_tokens < 1 or self.long_reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         return CalibrateConfig(
             samples=samples,
@@ -124,6 +133,7 @@ class CalibrateConfig:
             method=method,
             candidates=candidates,
             reference_tokens=self.reference_tokens,
+            long_reference_tokens=self.long_reference_tokens,
             batch_size=self.batch_size,
             merge_modes=merge_modes,
             draft=self.draft,

@@ -29,6 +29,7 @@ from kvtool.profiles.schema import QUERY_SCORERS, WINDOW_SCORERS
 from kvtool.runtime import attach, uniform_profile
 from kvtool.runtime.attach import layer_queries
 from kvtool.runtime.draft import prepare
+from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.importance import make_scorer
 from kvtool.scoring import (
@@ -152,14 +153,15 @@ def full_pass(
     answers: Sequence[list[list[int] | None]],
     method: MethodSettings,
     *,
-    reference_tokens: int,
+    reference_tokens: int | Sequence[int],
     with_references: bool,
     progress: Progress = no_progress,
     scorers: Sequence[MethodSettings] = (),
     query_stats: QueryStats | None = None,
     queries: QueryRecorder | None = None,
 ) -> FullPass:
-    """Importance of every prompt and, `with_references`, the references of every batch.
+    """Importance of every prompt and, `with_references`, the references of every batch
+    (`reference_tokens` long: one length, or one per batch).
 
     Statistics are made for the scorer of each settings in `scorers` (default: `method`'s alone),
     keyed by `scorer_key`; `query_stats` serve the expected-attention scorer. Without them, a
@@ -171,7 +173,10 @@ def full_pass(
         raise KvtoolError("internal: query statistics are learned in the full pass only with references and none given")
     samples = sum(len(b.rows) for b in batches)
     importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
-    steps = _Counter(STAGE_REFERENCES, len(batches) * (reference_tokens - 1), progress)
+    lengths = [reference_tokens] * len(batches) if isinstance(reference_tokens, int) else list(reference_tokens)
+    if len(lengths) != len(batches):
+        raise KvtoolError("internal: one reference length per batch")
+    steps = _Counter(STAGE_REFERENCES, sum(length - 1 for length in lengths), progress)
     parts, states, images = [], [], []
     eos = eos_token_ids(model, tokenizer)
     # The recording keeps the widest observation window any scorer asks for; shorter ones (TOVA's
@@ -180,10 +185,12 @@ def full_pass(
     recording = uniform_profile(model, 1.0, dataclasses.replace(method, window=widest))
     if deferred and method.scorer in QUERY_SCORERS:  # nothing to rank by yet; the recording's own rank goes unread
         recording = dataclasses.replace(recording, method=dataclasses.replace(recording.method, scorer="attention-sum"))
+    if query_stats is None and EVICT_RULES[method.eviction].needs_queries:  # at budget 1.0 nothing is evicted
+        recording = dataclasses.replace(recording, method=dataclasses.replace(recording.method, eviction=MethodSettings().eviction))
     handle = attach(model, dataclasses.replace(recording, query_stats=query_stats))
     try:
         with torch.inference_mode(), (queries.installed() if queries is not None else contextlib.nullcontext()):
-            for batch, batch_answers in zip(batches, answers):
+            for batch, batch_answers, length in zip(batches, answers, lengths):
                 cache = handle.bare_cache(record_importance=True)
                 with queries.prompt(batch.attention_mask) if queries is not None else contextlib.nullcontext():
                     first_logits = prompt_forward(model, batch, cache)
@@ -201,7 +208,7 @@ def full_pass(
                 steps.start()
                 references = reference_continuations(
                     model, cache, first_logits, batch,
-                    length=reference_tokens, eos_ids=eos,
+                    length=length, eos_ids=eos,
                     pad_id=tokenizer.pad_token_id, answers=batch_answers, on_step=steps.step,
                 )
                 states.append(PromptState(batch, first_logits, snapshot, references))

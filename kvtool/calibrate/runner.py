@@ -20,7 +20,7 @@ import numpy as np
 from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
-from kvtool.calibrate.config import CalibrateConfig
+from kvtool.calibrate.config import DEFAULT_LONG_PROMPT_TOKENS, LONG_ANSWER_KIND, CalibrateConfig
 from kvtool.calibrate.cost import affordable_draft
 from kvtool.calibrate.passes import (
     STAGE_QUERIES, Progress, _Counter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
@@ -39,6 +39,7 @@ from kvtool.models.loader import as_loaded
 from kvtool.models.queries import unsupported
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
 from kvtool.profiles.schema import QUERY_SCORERS
+from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.scoring import encode_batches
 
 
@@ -60,6 +61,11 @@ class CalibrationResult:
     recipes: ChosenRecipe | None = None
     # Hybrid models: the sliding windows tried and the split shipped (calibrate.windows); None elsewhere.
     windows: WindowChoice | None = None
+
+
+def queried(settings: MethodSettings) -> bool:
+    """Whether a recipe reads per-head query statistics (its scorer, or its generation rule)."""
+    return settings.scorer in QUERY_SCORERS or EVICT_RULES[settings.eviction].needs_queries
 
 
 def exact_answers(records: Sequence[Record]) -> tuple[Record, ...]:
@@ -86,18 +92,28 @@ def draw(records: Sequence[Record], config: CalibrateConfig) -> tuple[tuple[Reco
     return chosen, choosing, confirming
 
 
-def encode_halves(loaded: Any, choosing: Sequence[Record], confirming: Sequence[Record], config: CalibrateConfig) -> tuple[list, list]:
-    """The batches of both halves in order, rows numbered across them, and their answers; the last
-    batch is the confirming half's, where the prompt phase's cost is measured."""
-    batches, answers = [], []
+def encode_halves(
+    loaded: Any, choosing: Sequence[Record], confirming: Sequence[Record], config: CalibrateConfig
+) -> tuple[list, list, list[int]]:
+    """The batches of both halves in order, rows numbered across them, their answers, and each
+    batch's reference length: the long-answer prompts of a half in batches of their own, with
+    `long_reference_tokens`-long references, before the others'. The last batch is the confirming
+    half's other prompts, where the prompt phase's cost is measured."""
+    batches, answers, lengths = [], [], []
     for offset, part in ((0, choosing), (len(choosing), confirming)):
-        if part:
+        long = [i for i, r in enumerate(part) if r.kind == LONG_ANSWER_KIND]
+        short = [i for i, r in enumerate(part) if r.kind != LONG_ANSWER_KIND]
+        for group, length in ((long, config.long_reference_tokens), (short, config.reference_tokens)):
+            if not group:
+                continue
             part_batches, part_answers = encode_batches(
-                loaded, part, max_tokens=config.max_prompt_tokens, method=config.method, batch_size=config.batch_size
+                loaded, [part[i] for i in group], max_tokens=config.max_prompt_tokens, method=config.method,
+                batch_size=config.batch_size,
             )
-            batches += [replace(b, rows=tuple(r + offset for r in b.rows)) for b in part_batches]
+            batches += [replace(b, rows=tuple(offset + group[r] for r in b.rows)) for b in part_batches]
             answers += part_answers
-    return batches, answers
+            lengths += [length] * len(part_batches)
+    return batches, answers, lengths
 
 
 def calibrate(
@@ -137,22 +153,25 @@ def calibrate(
                 f"budget {budget:g} is below what kvtool keeps of this model's cache at {config.budget_tokens} tokens "
                 f"(floor {least:.3f}: the shortest sliding windows, full-attention layers at 2%)"
             )
-        # Sliding windows matter only past their length: each drawn prompt amid others of the set.
-        long = lambda part: long_prompts(part, records, config.long_prompt_tokens, config.seed)  # noqa: E731
+    # Sliding windows matter only past their length: on a hybrid model each drawn prompt sits amid
+    # others of the set by default; elsewhere when asked (prompts as long as those users compress).
+    tokens = config.long_prompt_tokens or (DEFAULT_LONG_PROMPT_TOKENS if hybrid else None)
+    if tokens is not None:
+        long = lambda part: long_prompts(part, records, tokens, config.seed)  # noqa: E731
         chosen, choosing, confirming = long(chosen), long(choosing), long(confirming)
-        config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * config.long_prompt_tokens))
+        config = replace(config, max_prompt_tokens=max(config.max_prompt_tokens, 2 * tokens))
     method = config.method
     reason = unsupported(loaded.model)
     runnable = () if space is None else tuple(s for s in space.scorers if s not in QUERY_SCORERS)
-    if reason is not None and (method.scorer in QUERY_SCORERS or (space is not None and not runnable)):
+    if reason is not None and (queried(method) or (space is not None and not runnable)):
         raise KvtoolError(reason)
-    if reason is not None and space is not None:  # the search tries every scorer this model can run
-        space = replace(space, scorers=runnable)
+    if reason is not None and space is not None:  # the search tries every rule this model can run
+        space = replace(space, scorers=runnable, evictions=tuple(e for e in space.evictions if not EVICT_RULES[e].needs_queries))
     if space is not None and fingerprint_of(loaded.model).num_kv_heads == 1:
         # One KV head: per-head entries are the shared ones (Gemma 3 270M's per-head trials measured
         # the shared ones' PPLs to the last digit), so the heads stage would measure them again.
         space = replace(space, heads=(method.heads,))
-    batches, answers = encode_halves(loaded, choosing, confirming, config)
+    batches, answers, lengths = encode_halves(loaded, choosing, confirming, config)
 
     # Statistics under every scorer the search may reach (window: each window and pool width, the
     # seeds' own, e.g. TOVA's one row), and always attention-sum's: PrefixKV's ratios and the
@@ -161,12 +180,12 @@ def calibrate(
         replace(method, scorer="attention-sum"), method,
         *((*stage_options("scorer", method, space), *seed_recipes(space, method)) if space else ()),
     )
-    # The expected-attention scorer reads per-head query statistics: learned in the full pass's own
+    # The expected-attention rules read per-head query statistics: learned in the full pass's own
     # prompt forwards, which then scores the prompt states it keeps; a run that keeps none (no
     # references) records them first in a forward of their own.
     queries, recorder = None, None
     with_references = bool(config.candidates)
-    if any(s.scorer in QUERY_SCORERS for s in scorers):
+    if any(queried(s) for s in scorers) or (space is not None and any(EVICT_RULES[e].needs_queries for e in space.evictions)):
         if with_references:
             recorder = QueryRecorder(loaded.model)
         else:
@@ -174,7 +193,7 @@ def calibrate(
             queries = record_query_stats(loaded.model, batches, on_batch=counter.step)
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
-        reference_tokens=config.reference_tokens, with_references=with_references, progress=report,
+        reference_tokens=lengths, with_references=with_references, progress=report,
         scorers=scorers, query_stats=queries, queries=recorder,
     )
     queries = measured.query_stats
@@ -239,7 +258,7 @@ def calibrate(
         profile.calibration, prompt_overhead=round(costs[-1].ratio, 3), max_prompt_overhead=config.max_prompt_overhead,
         window_ppl=windows.ppl if windows is not None and windows.ppl else None,
     ))
-    if profile.method.scorer not in QUERY_SCORERS:
+    if not queried(profile.method):
         profile = replace(profile, query_stats=None)  # nothing reads them: no sidecar
     if dest is not None:
         save_profile(profile, dest)

@@ -156,8 +156,9 @@ def calibrate_command(
         int,
         typer.Option(
             "--reference-tokens",
-            help="Length of the full-cache continuations the D search teacher-forces; match the generation "
-            "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens).",
+            help="Length of the full-cache continuations the recipe search teacher-forces; match the generation "
+            "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens). Prompts of "
+            "kind long-answer get 256-token ones.",
         ),
     ] = 64,  # kvtool.calibrate.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
     draft: Annotated[

@@ -74,6 +74,11 @@ def check_rule_names(profile: Profile, source: str = "profile") -> None:
     for where, name in named:
         if name not in EVICT_RULES:
             raise KvtoolError(f"{source}: {where} must be one of {', '.join(EVICT_RULES)}, got {name!r}")
+    if EVICT_RULES[profile.method.eviction].needs_queries and profile.query_stats is None:
+        raise KvtoolError(
+            f"{source}: the {profile.method.eviction} eviction rule needs the query statistics a calibrated profile "
+            "carries (kvtool calibrate records them)"
+        )
 
 
 def uniform_profile(model, budget: float, method: MethodSettings | None = None) -> Profile:
@@ -117,7 +122,10 @@ def layer_queries(model, profile: Profile) -> dict[int, LayerQueries]:
     out = {}
     for index in stats.layers:
         mean, cov = stats.layer(index)
-        out[index] = LayerQueries(mean, cov, rotations[index], stats.future, grams.get(index))
+        # On the layer's device (its output projection's): the expected-attention generation rule
+        # reads them at every step.
+        queries = LayerQueries(mean, cov, rotations[index], stats.future, grams.get(index))
+        out[index] = queries if index not in grams else queries.to(grams[index].device)
     return out
 
 
@@ -331,6 +339,7 @@ def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
     a shorter one): a floor for short prompts, above the budget only while ratio * T is below it."""
     _check_fits(profile, model)
     check_supported(model)
+    check_rule_names(profile)
     plans = layer_plans(profile, min_kept, layer_queries(model, profile))
     name = attention.register()
     previous = _implementations(model)

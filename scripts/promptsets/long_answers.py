@@ -17,8 +17,9 @@ from . import chats, texts
 from .common import CALIBRATION, EVALUATION, Count, Row, Window, longest_fit
 
 KIND = "long-answer"
-# Short prompts are allowed: the answer is what grows the cache here.
-WINDOWS = {EVALUATION: Window(150, 1450), CALIBRATION: Window(150, 1020)}
+# Short prompts are allowed: the answer is what grows the cache here. Calibration's are as long as its
+# other prompts (400 tokens or more), so that the prompt's compression matters too.
+WINDOWS = {EVALUATION: Window(150, 1450), CALIBRATION: Window(400, 1020)}
 
 AUDIENCES = (
     "a student who knows a little Python",
@@ -26,8 +27,8 @@ AUDIENCES = (
     "a colleague who has to teach this next week",
 )
 
-# Evaluation only for now: calibration's references are 64 tokens, so long-answer calibration rows
-# wait until calibration scores long references too (issue 50).
+# Calibration scores these rows on references as long as the answers they ask for
+# (kvtool.calibrate.config.LONG_REFERENCE_TOKENS); the two sets share no text.
 SOURCES = {
     EVALUATION: {
         "study-guide": ("class", "binary", "with", "objects"),
@@ -35,7 +36,12 @@ SOURCES = {
         "implement": ("shelve", "fileinput", "csv", "argparse"),
         "tutorial-chat": ("raise", "async", "integers", "identifiers"),
     },
-    CALIBRATION: {},
+    CALIBRATION: {
+        "study-guide": ("attribute-access", "calls"),
+        "walkthrough": ("filecmp.py", "py_compile.py"),
+        "implement": ("cmd", "timeit"),
+        "tutorial-chat": ("augassign", "numeric-types"),
+    },
 }
 
 TUTORIAL_FINALS = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.eviction.base import EntryView, EvictRule, oldest_unfrozen, queue_view
+from kvtool.runtime.eviction.expected_attention import ExpectedAttentionEvict
 from kvtool.runtime.eviction.fixed_point import FixedPoint, frozen_prefix
 from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.eviction.heavy_hitter_window import HeavyHitterWindow
@@ -18,7 +19,7 @@ from kvtool.runtime.eviction.sliding import Sliding
 from kvtool.runtime.eviction.tova import Tova
 
 EVICT_RULES: dict[str, type[EvictRule]] = {
-    rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter, HeavyHitterWindow, Tova, PromptOnly)
+    rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter, HeavyHitterWindow, Tova, ExpectedAttentionEvict, PromptOnly)
 }
 
 

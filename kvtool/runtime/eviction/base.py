@@ -8,7 +8,7 @@ one module in this package and one line in `EVICT_RULES` (__init__.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +38,13 @@ class EntryView(NamedTuple):
     # The attention the newest token gave each slot (rules with `needs_attention`; None otherwise). It
     # covers the slots the token attended to, the first ones or all: the slots after it are free.
     attention: torch.Tensor | None = None
+    # Rules with `needs_queries`: the layer's keys and values ([B, Hkv, S, D]), its calibrated query
+    # statistics (`importance.expected.LayerQueries`) and each row's real tokens so far ([B]; the
+    # next token's position), None otherwise.
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    queries: Any = None
+    tokens: np.ndarray | torch.Tensor | None = None
 
     @property
     def per_head(self) -> bool:
@@ -65,6 +72,9 @@ class EvictRule(ABC):
     # True: the layer keeps the attention the current token gave each entry in `EntryView.attention`
     # (same explicit softmax per decode step, nothing accumulated).
     needs_attention: ClassVar[bool] = False
+    # True: the rule ranks the entries by the calibrated query statistics (a profile must carry them),
+    # and reads keys, values, statistics and token counts from `EntryView`.
+    needs_queries: ClassVar[bool] = False
     # False: prompt-only compression, the layer never evicts while generating.
     holds_budget: ClassVar[bool] = True
     # False: calibration's recipe search never tries the rule (it holds the budget, but only a named

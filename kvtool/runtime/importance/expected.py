@@ -36,17 +36,27 @@ class LayerQueries:
     future: int
     output: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> "LayerQueries":
+        """The same statistics on `device` (a decode step must not copy them in from the host)."""
+        output = None if self.output is None else self.output.to(device)
+        return replace(self, mean=self.mean.to(device), cov=self.cov.to(device), output=output)
 
-def expected_probs(keys: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
+
+def expected_probs(
+    keys: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries, start: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, Hq, n]: each query head's expected attention to every prompt column (0 on padding).
-    keys [B, Hkv, n, D] (after RoPE, at positions 0 .. T_b - 1 of each row's real tokens), token_valid [B, n]."""
+    keys [B, Hkv, n, D] (after RoPE, each at its row's true position), token_valid [B, n]; `start` [B]:
+    the position of each row's next token, from which the future queries are averaged (default: the
+    valid columns' count, a prompt's length)."""
     bsz, kv_heads, n, dim = keys.shape
     heads = queries.mean.shape[0]
     if queries.mean.shape[-1] != dim or heads % kv_heads:
         raise KvtoolError(f"query statistics of {heads} heads x {queries.mean.shape[-1]} do not fit keys of {kv_heads} x {dim}")
     dtype = accumulation_dtype(keys.dtype)
     valid = token_valid.bool()
-    cos, sin = queries.rotation.mean(valid.sum(dim=1), queries.future, dtype)  # [B, D]
+    start = valid.sum(dim=1) if start is None else start
+    cos, sin = queries.rotation.mean(start, queries.future, dtype)  # [B, D]
     cos, sin = cos[:, None, :], sin[:, None, :]
     mean = rotated(queries.mean.to(keys.device, dtype)[None], cos, sin)  # [B, Hq, D]
     cov = queries.cov.to(keys.device, dtype)[None]  # [1, Hq, D, D]
@@ -70,7 +80,7 @@ def _relative(norm: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def expected_scores(keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
     """[B, Hkv, n]: each KV head's expected attention to every prompt column (averaged over its query
     heads) times its value's norm relative to the row's mean; 0 on padding. values [B, Hkv, n, Dv]."""
-    return _value_weighted(expected_probs(keys, token_valid, queries), values, token_valid.bool())
+    return value_weighted(expected_probs(keys, token_valid, queries), values, token_valid.bool())
 
 
 def expected_output_scores(
@@ -90,10 +100,10 @@ def with_expected(
     (one softmax for both)."""
     probs, valid = expected_probs(keys, token_valid, queries), token_valid.bool()
     output = _output_weighted(probs, values, valid, queries) if output else None
-    return replace(scores, expected=_value_weighted(probs, values, valid), expected_output=output)
+    return replace(scores, expected=value_weighted(probs, values, valid), expected_output=output)
 
 
-def _value_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def value_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     bsz, kv_heads, n, _ = values.shape
     expected = probs.view(bsz, kv_heads, -1, n).mean(dim=2)
     return expected * _relative(values.to(probs.dtype).norm(dim=-1), valid)

@@ -69,7 +69,10 @@ class DecodeEviction:
 
     def entry_view(self) -> EntryView:
         """What the eviction rule may read of the entries (the layer's own tensors, not copies)."""
-        return EntryView(self.valid, self.order, self.frozen, self.seen, self.share, self.score, self.attention)
+        return EntryView(
+            self.valid, self.order, self.frozen, self.seen, self.share, self.score, self.attention,
+            self.keys, self.values, self.plan.queries, self.tokens,
+        )
 
     def _share_now(self) -> np.ndarray:
         """`plan.keep(tokens)`, read from a table of the plan's share for every token count: one

@@ -155,7 +155,10 @@ class FixedSlots:
         if not (self.plan.evict.holds_budget and self.packed):
             return  # prompt-only rules never evict; a layer that kept its whole prompt is never over
         share = fixed.share[fixed.tokens, fixed.rows]
-        view = EntryView(self.valid, self.order, self.frozen, fixed.seen, share, self.score, self.attention)
+        view = EntryView(
+            self.valid, self.order, self.frozen, fixed.seen, share, self.score, self.attention,
+            self.keys, self.values, self.plan.queries, fixed.tokens,
+        )
         victim = self.plan.evict.victim(view)
         over = fixed.kept > share
         last = fixed.kept - 1
