@@ -883,8 +883,9 @@ def test_recorded_rows_give_the_recorded_window_and_any_shorter_one() -> None:
 
 
 def test_long_answer_prompts_get_long_references_in_batches_of_their_own(tiny: LoadedModel) -> None:
-    """Rows of kind long-answer are batched apart in each half and scored on `long_reference_tokens`;
-    the last batch stays the confirming half's other prompts (where the prompt phase is timed)."""
+    """Rows of kind long-answer are batched apart in the confirming half and scored there on
+    `long_reference_tokens`; the choosing half scores them with the others. The last batch stays the
+    confirming half's other prompts (where the prompt phase is timed)."""
     from kvtool.calibrate.passes import full_pass
     from kvtool.calibrate.runner import encode_halves
 
@@ -895,7 +896,7 @@ def test_long_answer_prompts_get_long_references_in_batches_of_their_own(tiny: L
     choosing, confirming = tuple(records[:3]), tuple(records[3:])
     config = CalibrateConfig(reference_tokens=3, long_reference_tokens=7, batch_size=4).checked()
     batches, answers, lengths = encode_halves(tiny, choosing, confirming, config)
-    assert [sorted(b.rows) for b in batches] == [[0], [1, 2], [3], [4, 5]]  # a batch orders its rows by length
-    assert lengths == [7, 3, 7, 3]
+    assert [sorted(b.rows) for b in batches] == [[0, 1, 2], [3], [4, 5]]  # a batch orders its rows by length
+    assert lengths == [3, 7, 3]
     measured = full_pass(tiny.model, tiny.tokenizer, batches, answers, config.method, reference_tokens=lengths, with_references=True)
     assert [s.references.steps for s in measured.states] == lengths

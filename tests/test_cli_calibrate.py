@@ -189,6 +189,15 @@ def test_reference_tokens_default_is_the_library_default() -> None:
     assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS
 
 
+def test_samples_default_is_the_library_default() -> None:
+    import inspect
+
+    from kvtool.calibrate.config import DEFAULT_SAMPLES, CalibrateConfig
+    from kvtool.cli.calibrate import calibrate_command
+
+    assert inspect.signature(calibrate_command).parameters["samples"].default == DEFAULT_SAMPLES == CalibrateConfig().samples
+
+
 def test_budget_tokens_default_is_the_library_default() -> None:
     import inspect
 

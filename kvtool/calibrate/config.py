@@ -10,7 +10,9 @@ from kvtool.profiles import MERGE_MODES, Draft, MethodSettings
 from kvtool.calibrate.recipes import SearchSpace
 from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS
 
-DEFAULT_SAMPLES = 10
+# Two prompts of each of the six packaged kinds: one of each in either half (the held-out half's
+# long-answer prompt is what judges the finalists on a long answer).
+DEFAULT_SAMPLES = 12
 # Hybrid models: the budget holds at DEFAULT_BUDGET_TOKENS prompt tokens (profiles.whole_cache);
 # calibration prompts of about 2048 tokens are past a 512-token window four times over.
 DEFAULT_LONG_PROMPT_TOKENS = 2048
@@ -22,10 +24,11 @@ DEFAULT_CANDIDATES = (0, 8, 16, 25, 48, 96)
 # last D prompt entries are gone after ~D / (1 - budget) steps; 32-token references ended before
 # that and favoured a D that lost on 64-token generations. Still a CPU calibration in minutes.
 REFERENCE_TOKENS = 64
-# Prompts of this kind ask for long answers (summaries, walkthroughs, tutorials): their references
-# run LONG_REFERENCE_TOKENS, in batches of their own, so that the search sees what a generation rule
-# does to an answer that outlives the compressed prompt (at 0.2 a 700-token prompt keeps ~140
-# entries: 256 new tokens replace them all) and not only the answer's first 64 tokens.
+# Prompts of this kind ask for long answers (summaries, walkthroughs, tutorials): in the confirming
+# half their references run LONG_REFERENCE_TOKENS, in batches of their own, so that the finalists
+# are judged on what a generation rule does to an answer that outlives the compressed prompt (at 0.2
+# a 700-token prompt keeps ~140 entries: 256 new tokens replace them all), not only on its first 64
+# tokens (`runner.encode_halves`).
 LONG_ANSWER_KIND = "long-answer"
 LONG_REFERENCE_TOKENS = 256
 # The draft written into the profile (`MethodSettings.draft`, kvtool.runtime.draft): 32 tokens in two

@@ -96,13 +96,16 @@ def encode_halves(
     loaded: Any, choosing: Sequence[Record], confirming: Sequence[Record], config: CalibrateConfig
 ) -> tuple[list, list, list[int]]:
     """The batches of both halves in order, rows numbered across them, their answers, and each
-    batch's reference length: the long-answer prompts of a half in batches of their own, with
-    `long_reference_tokens`-long references, before the others'. The last batch is the confirming
-    half's other prompts, where the prompt phase's cost is measured."""
+    batch's reference length. The confirming half's long-answer prompts come first, in batches of
+    their own with `long_reference_tokens`-long references: the finalists are judged on answers that
+    outlive the compressed prompt. The choosing half scores every prompt on `reference_tokens`: a
+    256-token batch there makes every search stage pay its steps (SmolLM2's search took 447 s
+    instead of 127 s). The last batch is the confirming half's other prompts, where the prompt
+    phase's cost is measured."""
     batches, answers, lengths = [], [], []
     for offset, part in ((0, choosing), (len(choosing), confirming)):
-        long = [i for i, r in enumerate(part) if r.kind == LONG_ANSWER_KIND]
-        short = [i for i, r in enumerate(part) if r.kind != LONG_ANSWER_KIND]
+        long = [i for i, r in enumerate(part) if offset and r.kind == LONG_ANSWER_KIND]
+        short = [i for i in range(len(part)) if i not in long]
         for group, length in ((long, config.long_reference_tokens), (short, config.reference_tokens)):
             if not group:
                 continue
