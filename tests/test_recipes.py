@@ -148,8 +148,11 @@ def test_finalists_are_the_chosen_the_runners_up_and_the_start():
     finalists = search.finalists(3)
     keys = [recipe_key(s) for s in finalists]
     assert keys[0] == recipe_key(search.chosen)
-    # The chosen, two runners-up, the best of every other scorer, the start.
-    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 3 + (len(SPACE.scorers) - 1) + 1
+    # The chosen, two runners-up, the best of every other scorer, the chosen with uniform ratios, the start.
+    assert recipe_key(START) in keys and len(set(keys)) == len(keys) <= 3 + (len(SPACE.scorers) - 1) + 1 + 1
+    uniform = dataclasses.replace(search.chosen, ratios="uniform")
+    if search.chosen.ratios != "uniform" and any(recipe_key(t.settings) == recipe_key(uniform) for t in search.trials):
+        assert recipe_key(uniform) in keys
     # Every scorer the search tried has its best recipe among the finalists.
     for scorer in {t.settings.scorer for t in search.trials}:
         best = min((t for t in search.trials if t.settings.scorer == scorer), key=lambda t: t.ppl)

@@ -214,8 +214,10 @@ class RecipeSearch:
 
     def finalists(self, count: int = 3) -> tuple[MethodSettings, ...]:
         """The chosen recipe, the runners-up by PPL, the best recipe of each scorer not among them
-        yet (so the held-out half also sees the best of the kind the choice passed over) and the
-        papers' recipe the search started from."""
+        yet (so the held-out half also sees the best of the kind the choice passed over), the chosen
+        recipe with the same ratio in every layer where the search tried it (so every profile shows
+        what its per-layer allocation buys on prompts that did not choose it) and the papers'
+        recipe the search started from."""
         ranked = sorted(self.trials, key=lambda t: t.ppl)
         picked = {recipe_key(self.chosen): self.chosen}
         for trial in ranked:
@@ -226,6 +228,9 @@ class RecipeSearch:
             if not any(s.scorer == scorer for s in picked.values()):
                 best = next(t.settings for t in ranked if t.settings.scorer == scorer)
                 picked[recipe_key(best)] = best
+        uniform = dataclasses.replace(self.chosen, ratios="uniform")
+        if any(recipe_key(t.settings) == recipe_key(uniform) for t in ranked):
+            picked.setdefault(recipe_key(uniform), uniform)
         picked.setdefault(recipe_key(self.start), self.start)
         return tuple(picked.values())
 
