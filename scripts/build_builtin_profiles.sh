@@ -18,7 +18,7 @@ OUT=kvtool/profiles/builtin
 
 # Both write verified drafts. The 0.2 profile is built with calibrate's default draft, 32 tokens in
 # 2 rounds (the longest whose prompt phase stays within issue 34's 1.5x on a 2-core CPU at 4096 x 4),
-# and the draft stage (about 13 minutes on this machine); the 0.5 one without the stage and with the
+# and the draft stage (about 8 minutes on this machine); the 0.5 one without the stage and with the
 # 64-token draft it was first made with (neither was re-checked at 0.5).
 # The 0.2 profile's generation rule is H2O's: the one the fused GPU decode step runs (layer/fixed.py).
 # The free search (stop 58) picked `tova` at 2.557 choosing / 2.634 held out / 2.450 with the draft,
