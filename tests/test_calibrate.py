@@ -564,11 +564,11 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     info = profile.calibration
     assert profile.budget == budget and profile.model.name == "smollm2"
     assert compressed_ratios(profile).mean() == pytest.approx(budget, abs=1e-9)
-    # scripts/build_builtin_profiles.sh calibrates on 20 prompts (the command's default is 10).
+    # scripts/build_builtin_profiles.sh calibrates on 20 prompts (the command's default is 12).
     assert info.samples == 20 and info.seed == 0
-    # The recipe search ran: half the prompts chose, the other half confirmed; the profile's recipe
-    # is the lowest-PPL one tried, and it beat the papers' recipe on the held-out half too.
-    assert info.chosen_on == info.confirmed_on == 10 and info.recipes
+    # The recipe search ran: the prompts split by kind (20 over six kinds: 12 choose, 8 confirm); the
+    # profile's recipe is the lowest-PPL one tried, and it beat the papers' recipe on the held-out half too.
+    assert (info.chosen_on, info.confirmed_on) == (12, 8) and info.recipes
     best = min(info.recipes, key=lambda t: t.ppl)
     if info.fell_back:
         # The held-out half rejected the search's choice: the profile runs the finalist with the
