@@ -29,7 +29,7 @@ from kvtool.models import load_model, use_offline_defaults
 use_offline_defaults()  # before the imports below load transformers, which reads them once
 
 from kvtool.calibrate.build import Allocated, allocate, build_profile, with_method  # noqa: E402
-from kvtool.calibrate.config import CalibrateConfig  # noqa: E402
+from kvtool.calibrate.config import DEFAULT_SAMPLES, CalibrateConfig  # noqa: E402
 from kvtool.calibrate.passes import FullPass, full_pass, recorded_importance, search_truncation_and_merge  # noqa: E402
 from kvtool.calibrate.statistics import ImportanceStats, batch_stats, combine, kept_image_share  # noqa: E402
 from kvtool.data import load_jsonl, select_samples  # noqa: E402
@@ -65,7 +65,7 @@ def uniform(allocated: Allocated, budget: float) -> Allocated:
 def compare(loaded: Any, budget: float, config: CalibrateConfig, data: Path | None = None) -> dict[str, dict]:
     """Per allocation: calibration PPL by D, the best D and merge mode, and the ratios."""
     config = config.checked()
-    chosen = select_samples(load_jsonl(data), config.samples, config.seed)
+    chosen = select_samples(load_jsonl(data), config.samples or DEFAULT_SAMPLES, config.seed)
     batches, answers = encode_batches(
         loaded, chosen, max_tokens=config.max_prompt_tokens, method=config.method, batch_size=config.batch_size
     )

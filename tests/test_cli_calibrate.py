@@ -192,10 +192,12 @@ def test_reference_tokens_default_is_the_library_default() -> None:
 def test_samples_default_is_the_library_default() -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_SAMPLES, CalibrateConfig
+    from kvtool.calibrate.config import DEFAULT_SAMPLES, HYBRID_SAMPLES, CalibrateConfig
     from kvtool.cli.calibrate import calibrate_command
 
-    assert inspect.signature(calibrate_command).parameters["samples"].default == DEFAULT_SAMPLES == CalibrateConfig().samples
+    # None: the library picks by model (a hybrid model's calibration runs on fewer, longer prompts).
+    assert inspect.signature(calibrate_command).parameters["samples"].default is None is CalibrateConfig().samples
+    assert (DEFAULT_SAMPLES, HYBRID_SAMPLES) == (12, 10)
 
 
 def test_budget_tokens_default_is_the_library_default() -> None:

@@ -13,6 +13,9 @@ from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS
 # Two prompts of each of the six packaged kinds: one of each in either half (the held-out half's
 # long-answer prompt is what judges the finalists on a long answer).
 DEFAULT_SAMPLES = 12
+# Hybrid models calibrate on ~2k-token prompts and a window stage: 10 kept Gemma 3 270M's calibration
+# at 299 s (stop 57); 12 would take it past the 300 s it is held to.
+HYBRID_SAMPLES = 10
 # Hybrid models: the budget holds at DEFAULT_BUDGET_TOKENS prompt tokens (profiles.whole_cache);
 # calibration prompts of about 2048 tokens are past a 512-token window four times over.
 DEFAULT_LONG_PROMPT_TOKENS = 2048
@@ -61,7 +64,7 @@ class CalibrateConfig:
     `merge_modes` tries `method.merge` only). Prompts run `batch_size` at a time.
     """
 
-    samples: int = DEFAULT_SAMPLES
+    samples: int | None = None  # None: DEFAULT_SAMPLES, HYBRID_SAMPLES on hybrid models
     seed: int = 0
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     method: MethodSettings = MethodSettings()
@@ -101,7 +104,7 @@ class CalibrateConfig:
         candidates = tuple(self.candidates)
         merge_modes = tuple(dict.fromkeys(self.merge_modes)) or (method.merge,)
         samples = self.samples
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
             raise KvtoolError(f"samples must be a positive integer, got {samples!r}")
         protected = method.sink_tokens + method.recent_window
         if self.max_prompt_tokens <= protected:

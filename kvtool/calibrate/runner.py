@@ -20,7 +20,9 @@ import numpy as np
 from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import check_budget
 from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
-from kvtool.calibrate.config import DEFAULT_LONG_PROMPT_TOKENS, LONG_ANSWER_KIND, CalibrateConfig
+from kvtool.calibrate.config import (
+    DEFAULT_LONG_PROMPT_TOKENS, DEFAULT_SAMPLES, HYBRID_SAMPLES, LONG_ANSWER_KIND, CalibrateConfig,
+)
 from kvtool.calibrate.cost import affordable_draft
 from kvtool.calibrate.passes import (
     STAGE_QUERIES, Progress, _Counter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
@@ -84,7 +86,8 @@ def draw(records: Sequence[Record], config: CalibrateConfig) -> tuple[tuple[Reco
     (one prompt cannot be split) and the halves' retrieval needles become their references; without,
     all are in the first half."""
     space = config.search if config.candidates else None
-    chosen = select_by_kind(records, config.samples, config.seed) if space else select_samples(records, config.samples, config.seed)
+    samples = config.samples or DEFAULT_SAMPLES
+    chosen = select_by_kind(records, samples, config.seed) if space else select_samples(records, samples, config.seed)
     choosing, confirming = split_by_kind(chosen) if space and len(chosen) > 1 else (chosen, ())
     chosen = choosing + confirming
     if space is not None:
@@ -144,11 +147,12 @@ def calibrate(
     dest = check_writable(out) if out is not None else None
     records = tuple(data) if isinstance(data, Sequence) and not isinstance(data, str) else load_jsonl(data)
     space = config.search if config.candidates else None
-    chosen, choosing, confirming = draw(records, config)
     report = progress or no_progress
 
     loaded = as_loaded(model, "calibrate")
     hybrid = whole_cache.is_hybrid(fingerprint_of(loaded.model))
+    config = replace(config, samples=config.samples or (HYBRID_SAMPLES if hybrid else DEFAULT_SAMPLES))
+    chosen, choosing, confirming = draw(records, config)
     if hybrid:
         least = whole_cache.floor(fingerprint_of(loaded.model), config.budget_tokens)
         if budget < least:  # before any model work: no split reaches it

@@ -116,7 +116,9 @@ def calibrate_command(
             help='JSONL prompts, one {"prompt": ..., "answer": optional, "images": optional list of paths} per line.',
         )
     ] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Prompts drawn from the data.")] = 12,  # kvtool.calibrate.config.DEFAULT_SAMPLES
+    samples: Annotated[
+        int | None, typer.Option("--samples", help="Prompts drawn from the data (default: 12; 10 on hybrid models).")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draw.")] = 0,
     out: Annotated[
         Path | None, typer.Option("--out", help="Profile to write (default: profiles/MODEL-bBUDGET.yaml, e.g. profiles/smollm2-b0.2.yaml).")
