@@ -106,8 +106,8 @@ def encode_halves(
     instead of 127 s). The last batch is the confirming half's other prompts, where the prompt
     phase's cost is measured."""
     batches, answers, lengths = [], [], []
-    for offset, part in ((0, choosing), (len(choosing), confirming)):
-        long = [i for i, r in enumerate(part) if offset and r.kind == LONG_ANSWER_KIND]
+    for offset, part, held_out in ((0, choosing, False), (len(choosing), confirming, True)):
+        long = [i for i, r in enumerate(part) if held_out and r.kind == LONG_ANSWER_KIND]
         short = [i for i in range(len(part)) if i not in long]
         for group, length in ((long, config.long_reference_tokens), (short, config.reference_tokens)):
             if not group:
