@@ -498,6 +498,7 @@ def test_the_built_in_searches_replay_exactly_and_the_retry_rule_keeps_their_cho
     """Replayed on their recorded PPLs, the built-in profiles' searches ask for exactly the recipes they
     measured and choose what they chose (with the retry rule, for those calibrated since it exists;
     without, for older ones); with the rule, the same choice in fewer trials than without."""
+    from kvtool.calibrate.config import DEFAULT_BATCH_SIZE
     from kvtool.calibrate.replay import replay
     from kvtool.calibrate.search import ROWS_PER_PASS
     from kvtool.profiles import read_profile
@@ -505,7 +506,7 @@ def test_the_built_in_searches_replay_exactly_and_the_retry_rule_keeps_their_cho
 
     profile = read_profile(builtin_dir() / f"{name}.yaml")
     info = profile.calibration
-    per_pass = ROWS_PER_PASS // info.chosen_on  # the run's batches held its choosing prompts
+    per_pass = ROWS_PER_PASS // min(info.chosen_on, DEFAULT_BATCH_SIZE)  # the run's largest batch of choosing prompts
     unruled = replay(profile, per_pass=per_pass, retry_within=None)
     ruled = replay(profile, per_pass=per_pass, retry_within=RETRY_WITHIN)
     as_run = ruled if ruled.unmeasured == 0 and len(ruled.search.trials) == len(info.recipes) else unruled

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvtool.calibrate.config import CalibrateConfig
 from kvtool.calibrate.recipes import RecipeSearch, SearchSpace, recipe_key, search_recipe, seed_recipes
+from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile
 
@@ -28,8 +29,9 @@ class Replay:
 
 
 def replay(profile: Profile, *, per_pass: int, retry_within: float | None) -> Replay:
-    """The search of `profile`'s calibration with the default start, seeds and space (its scorers and
-    head modes as the run tried them), `per_pass` recipes side by side, and `retry_within`."""
+    """The search of `profile`'s calibration with the default start, seeds and space (its generation
+    rules, scorers and head modes as the run tried them), `per_pass` recipes side by side, and
+    `retry_within`."""
     info = profile.calibration
     if info is None or not info.recipes:
         raise KvtoolError("this profile records no recipe search to replay")
@@ -40,7 +42,10 @@ def replay(profile: Profile, *, per_pass: int, retry_within: float | None) -> Re
         values.update({k: getattr(trial, k) for k in ("window", "pool", "window_share") if getattr(trial, k) is not None})
         table[recipe_key(dataclasses.replace(start, **values))] = trial.ppl
     tried = {trial.scorer for trial in info.recipes}
+    # The generation rules its stages tried (one rule, as `--space evictions=X` asks: no such stage).
+    rules = {t.eviction for t in info.recipes if t.stage.startswith("generation rule")}
     space = SearchSpace(
+        evictions=tuple(e for e in EVICT_RULES if e in rules) or (profile.method.eviction,),
         scorers=tuple(s for s in SearchSpace().scorers if s in tried),
         heads=tuple(dict.fromkeys(t.heads for t in info.recipes)),
     )
