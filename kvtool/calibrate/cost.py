@@ -52,8 +52,7 @@ class DraftCost:
 def cheaper_drafts(draft: Draft | None) -> list[Draft | None]:
     """`draft`, then each cheaper one in the order they are tried: half the tokens down to
     `HALVE_FIRST_TO`, then later rounds from the last one's predictions (`Draft.jacobi`: no steps after
-    the first round's), then one round fewer down to one, then half the tokens down to 8, then (for a
-    draft that rereads the prompt) the reread alone, then no draft.
+    the first round's), then one round fewer down to one, then half the tokens down to 8, then no draft.
 
     Tokens go before rounds because that kept more at the same cost: on the 30 unseen calibration
     prompts at 0.2, 32 tokens in 2 rounds measured PPL 2.284, needles 0.750, against 2.319 and 0.458
@@ -74,8 +73,6 @@ def cheaper_drafts(draft: Draft | None) -> list[Draft | None]:
             draft = dataclasses.replace(draft, rounds=draft.rounds - 1, jacobi=draft.rounds > 2)
         elif draft.tokens // 2 >= 8:
             draft = dataclasses.replace(draft, tokens=draft.tokens // 2)
-        elif draft.reread and draft.tokens:
-            draft = Draft(0, reread=True)
         else:
             draft = None
     return [*ladder, None]

@@ -174,9 +174,7 @@ def calibrate_command(
             "'no-verify' (check each draft against the full-attention logits of the forward that scores it; the "
             "answer starts with the agreed prefix), 'jacobi' / 'no-jacobi' (a later round's draft is the last "
             "round's full-attention predictions, not new steps through the cache: half the steps of 2 rounds, "
-            "less kept), 'reread' / 'no-reread' (first read the prompt's own tokens again over it and keep their "
-            "attention in the scores, as KVzip scores: one more prompt-length forward; 'none,reread' is the reread alone), "
-            "'stage' (after the search, measure its pick and the recipes one "
+            "less kept), 'stage' (after the search, measure its pick and the recipes one "
             "generation rule or ratio source away with the draft and ship the best if the held-out prompts agree; "
             "minutes more, the built-in profiles are made with it). Omitted parts keep the default's.",
         ),
@@ -258,11 +256,8 @@ def parse_draft(spec: str) -> tuple[Any, bool]:
     for a malformed SPEC. Parts SPEC leaves out keep `DRAFT_DEFAULT`'s."""
     from kvtool.profiles import Draft
 
-    usage = (
-        "--draft takes TOKENS[,rounds=N][,verify|no-verify][,jacobi|no-jacobi][,reread|no-reread][,stage], "
-        "e.g. 64,rounds=2,verify or none"
-    )
-    tokens, rounds, verify, jacobi, reread, stage = 0, 1, False, False, False, False
+    usage = "--draft takes TOKENS[,rounds=N][,verify|no-verify][,jacobi|no-jacobi][,stage], e.g. 64,rounds=2,verify or none"
+    tokens, rounds, verify, jacobi, stage = 0, 1, False, False, False
     for part in (p.strip().lower() for p in f"{DRAFT_DEFAULT},{spec}".split(",")):
         key, sep, value = part.partition("=")
         if part == "none":
@@ -275,17 +270,13 @@ def parse_draft(spec: str) -> tuple[Any, bool]:
             verify = part == "verify"
         elif part in ("jacobi", "no-jacobi"):
             jacobi = part == "jacobi"
-        elif part in ("reread", "no-reread"):
-            reread = part == "reread"
         elif part == "stage":
             stage = True
         else:
             raise KvtoolError(f"{usage}; got {spec!r}")
     if rounds < 1:
         raise KvtoolError(f"--draft rounds must be at least 1, got {rounds}")
-    if not tokens and reread:
-        return Draft(0, reread=True), stage
-    return (Draft(tokens, rounds, verify, jacobi, reread) if tokens else None), stage
+    return (Draft(tokens, rounds, verify, jacobi) if tokens else None), stage
 
 
 def default_out_path(model_name: str, budget: float) -> Path:

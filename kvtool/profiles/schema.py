@@ -85,21 +85,16 @@ class Draft:
     full-attention predictions (the prompt's next token, then the token each draft row predicts, as
     in Jacobi decoding) instead of stepping through the cache again, so only the first round pays
     for greedy steps (and less is kept than with stepped rounds: not calibration's default).
-    `reread`: before any drafting, the prompt's own tokens run once more as rows over the held prompt
-    (KVzip's reconstruction: the attention the model pays while it reads its context again says
-    which entries it needs to reproduce it), and their attention stays in the scores of every later
-    round. It costs one more forward of the prompt's length; with `tokens` 0 it is the whole draft.
     """
 
-    tokens: int = field(metadata=rule(low=0))
+    tokens: int = field(metadata=rule(low=1))
     rounds: int = field(default=1, metadata=rule(low=1))
     verify: bool = False
     jacobi: bool = field(default=False, metadata=rule(omit_default=True))
-    reread: bool = field(default=False, metadata=rule(omit_default=True))
 
     def capped(self, tokens: int) -> "Draft":
         """This draft, never longer than `tokens` (a draft longer than the answer scores tokens nobody reads)."""
-        return self if self.tokens <= tokens else dataclasses.replace(self, tokens=max(0 if self.reread else 1, tokens))
+        return self if self.tokens <= tokens else dataclasses.replace(self, tokens=max(1, tokens))
 
 
 @dataclass(frozen=True)

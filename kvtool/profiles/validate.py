@@ -41,15 +41,7 @@ def check_document(doc: Any, source: str) -> dict[str, Any]:
     _check_schema_version(root)
     doc = copy.deepcopy(doc)
     _check_record(_Node(doc, "", source), Profile, doc)
-    _check_draft(doc, source)
     return doc
-
-
-def _check_draft(doc: dict, source: str) -> None:
-    """A draft of no tokens is only the prompt read again (`Draft.reread`)."""
-    draft = (doc.get("method") or {}).get("draft")
-    if isinstance(draft, dict) and draft.get("tokens") == 0 and not draft.get("reread", False):
-        raise KvtoolError(f"{source}: method.draft.tokens is 0, which needs reread: true (a draft of no tokens only rereads the prompt)")
 
 
 def _check_schema_version(root: _Node) -> None:

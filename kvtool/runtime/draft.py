@@ -51,7 +51,6 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
 from kvtool.profiles import Draft
 from kvtool.runtime.cache import KvtoolCache
@@ -207,13 +206,9 @@ def prepare(
     rows at a time, their caches joined (None: `row_groups.rows_at_once`, which splits the batch
     only where a draft's held prompt would put the peak above the full cache's)."""
     batch = prompt.input_ids.shape[0]
-    if draft is not None and draft.reread and prompt.extras:
-        raise KvtoolError("a draft that rereads the prompt needs a text prompt (this one has image inputs)")
     cache = make_cache()
     if rows is None:
         rows = rows_at_once(batch, draft, cache, model.device, bool(prompt.extras))
-    if draft is not None and draft.reread and len(set(prompt.attention_mask.sum(dim=1).tolist())) > 1:
-        rows = 1  # rows of different lengths are read again one at a time (`reread_rows`)
     if rows >= batch:
         return _prepare(model, prompt, cache, make_cache, draft, part or contextlib.nullcontext)
     check_rows(rows, bool(prompt.extras))
@@ -236,17 +231,6 @@ def _prepare(model: Any, prompt: Prompt, cache: Any, make_cache: Callable[[], An
     with part(PROMPT_FORWARD):
         first = prompt_forward(model, prompt, cache)
         held, image_mask = cache.take_held(), cache.image_mask  # the first round's cache compresses here
-    if draft.reread:
-        del cache
-        with part(REREAD):
-            cache = make_cache()
-            reading = HeldCache(model.config, held, cache.layers_to_fill(len(held), image_mask))
-            draft_logits(model, prompt, reread_rows(prompt), reading, 1)
-            held = reading.held_with_rows()
-            del reading
-        if draft.tokens == 0:
-            let_go(held)
-            return Prepared(cache, first)
     prefix = logits = None
     for round_ in range(draft.rounds):
         if draft.jacobi and round_ > 0:
@@ -267,22 +251,10 @@ def _prepare(model: Any, prompt: Prompt, cache: Any, make_cache: Callable[[], An
 
 
 # The parts of `prepare`, as `part` names them: the prompt's forward (its scoring and the first
-# compression included), the prompt read again (`Draft.reread`), each round's greedy steps through the
-# compressed cache, and each round's forward of the draft's rows over the held prompt (the next cache
-# compressed in it, the draft verified by it).
-PROMPT_FORWARD, REREAD, DRAFT_STEPS, DRAFT_ROWS = "prompt forward", "reread", "draft steps", "draft rows' forward"
-PARTS = (PROMPT_FORWARD, REREAD, DRAFT_STEPS, DRAFT_ROWS)
-
-
-def reread_rows(prompt: Prompt) -> torch.Tensor:
-    """[B, L] the prompt's own tokens, to be read again after it (`Draft.reread`). Every row must hold
-    L real tokens: rows of a padded batch are read again one at a time (`prepare`), since a padded
-    row among the rows would attend to the prompt and count in its scores."""
-    real = prompt.attention_mask.sum(dim=1)
-    length = int(real[0])
-    if bool((real != length).any()) or not bool(prompt.attention_mask[:, prompt.attention_mask.shape[1] - length:].all()):
-        raise ValueError("internal: the prompt is read again only from rows of one length, padded on the left")
-    return prompt.input_ids[:, prompt.input_ids.shape[1] - length:]
+# compression included), each round's greedy steps through the compressed cache, and each round's forward of the
+# draft's rows over the held prompt (the next cache compressed in it, the draft verified by it).
+PROMPT_FORWARD, DRAFT_STEPS, DRAFT_ROWS = "prompt forward", "draft steps", "draft rows' forward"
+PARTS = (PROMPT_FORWARD, DRAFT_STEPS, DRAFT_ROWS)
 
 
 def draft_logits(model: Any, prompt: Prompt, draft: torch.Tensor, cache: Any, keep: int) -> torch.Tensor:

@@ -33,7 +33,6 @@ class HeldLayer(DynamicLayer):
         super().__init__()
         self.held, self.fill = held, fill
         self.following: HeldLayer | None = None  # the next layer, whose prompt comes back while this one computes
-        self.joined: PromptScores | None = None  # the held prompt's scores with the rows' added (`read`)
         self._fetched = None
         self.lazy_initialization(held.keys, held.values)
         self.device = held.device  # the layer's: on a GPU the keys may be in host memory
@@ -58,8 +57,7 @@ class HeldLayer(DynamicLayer):
         if self.fill is not None:
             n = self.held.length
             here = replace(self.held, keys=keys[:, :, :n], values=values[:, :, :n], copied=None)
-            self.joined = with_rows(self.held.scores, scores)
-            self.fill.compress_held(here, self.joined)
+            self.fill.compress_held(here, with_rows(self.held.scores, scores))
 
 
 class HeldCache(DynamicCache):
@@ -77,8 +75,3 @@ class HeldCache(DynamicCache):
             layer.following = following
         if self.layers:
             self.layers[0].fetch()
-
-    def held_with_rows(self) -> list[HeldPrompt]:
-        """Each layer's held prompt with the rows' attention kept in its scores (`Draft.reread`: the
-        prompt read again counts in every later round's scores, as if its rows were prompt rows)."""
-        return [replace(layer.held, scores=layer.joined) for layer in self.layers]
