@@ -14,7 +14,8 @@ from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS
 # long-answer prompt is what judges the finalists on a long answer).
 DEFAULT_SAMPLES = 12
 # Hybrid models calibrate on ~2k-token prompts and a window stage: 10 kept Gemma 3 270M's calibration
-# at 299 s (stop 57); 12 would take it past the 300 s it is held to.
+# at 299 s (stop 57); 12 would take it past 300 s. With stop 58's calibration set (long answers, 256-token
+# references) 10 took 693 s on a CPU about 2x slower than stop 57's (docs/results.md, "Calibration time").
 HYBRID_SAMPLES = 10
 # Hybrid models: the budget holds at DEFAULT_BUDGET_TOKENS prompt tokens (profiles.whole_cache);
 # calibration prompts of about 2048 tokens are past a 512-token window four times over.
