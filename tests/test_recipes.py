@@ -379,6 +379,32 @@ def test_the_search_starts_from_the_best_seed_and_only_improves_on_it():
     assert recipe_key(START) in {recipe_key(s) for s in search.finalists()}
 
 
+def test_a_restricted_space_binds_the_choice_even_when_a_seed_outside_it_measures_best():
+    """`--space selections=importance` beside H2O's seed (stop 60): the seed measured best, the
+    selection stage's one value worse, and the search used to keep the seed's H2O selection."""
+    from kvtool.calibrate.recipes import pick_recipe, seed_recipes
+
+    space = SearchSpace(evictions=("heavy-hitter",), selections=("importance",)).checked()
+    seeds = seed_recipes(space, START)
+    h2o = recipe_key(seeds[0])
+    rng = random.Random(7)
+    table: dict = {}
+    measure = lambda stage, s: 1.0 if recipe_key(s) == h2o else table.setdefault(recipe_key(s), 2.0 + rng.random())  # noqa: E731
+    search = search_recipe(START, space, each(measure), seeds=seeds)
+    assert any(recipe_key(t.settings) == h2o for t in search.trials)  # measured, as what a choice must beat
+    assert space.holds(search.chosen) and search.chosen.selection == "importance" and search.chosen.eviction == "heavy-hitter"
+    assert not space.holds(seeds[0]) and not space.holds(START)
+    finalists = search.finalists()
+    assert recipe_key(START) in {recipe_key(f) for f in finalists}
+    assert all(space.holds(f) for f in finalists if recipe_key(f) != recipe_key(START))
+    # The held-out half rejects the choice and favours the papers' recipe: the fallback stays in the space.
+    held_out = {recipe_key(f): 3.0 for f in finalists} | {recipe_key(search.chosen): 9.0, recipe_key(START): 0.5}
+    assert space.holds(pick_recipe(search, held_out, 5, 5))
+    # Without a restriction the same measures keep H2O's seed.
+    free = search_recipe(START, SearchSpace(), each(measure), seeds=seed_recipes(SearchSpace(), START))
+    assert recipe_key(free.chosen) == h2o
+
+
 def test_the_selection_stage_can_move_to_h2o_selection_and_then_ignores_the_recent_share():
     space = SearchSpace()
     calls = []

@@ -71,6 +71,20 @@ class SearchSpace:
     # Named methods whose rules start the search beside the papers' recipe (held-budget baselines).
     seeds: tuple[str, ...] = ("h2o", "tova")
 
+    def holds(self, settings: MethodSettings) -> bool:
+        """Whether every rule of `settings` that matters takes a value of this space. The scorer's
+        window, pool width and share are not checked: a seed keeps its own (TOVA scores by the last
+        row alone), since the search is there to improve on the seeds, not to re-tune them."""
+        return all(self.holds_rule(settings, attr) for _, attr, _ in STAGES)
+
+    def holds_rule(self, settings: MethodSettings, attr: str) -> bool:
+        """Whether one rule of `settings` takes a value of this space (or does not matter to it)."""
+        if attr == "truncation_distance" and settings.eviction != "fixed-point":
+            return True
+        if attr == "recent_share" and settings.selection != "importance":
+            return True
+        return getattr(settings, attr) in getattr(self, next(field for _, a, field in STAGES if a == attr))
+
     def checked(self) -> "SearchSpace":
         """The same space with duplicates dropped; a one-line KvtoolError for a bad value."""
         checks = (
@@ -207,6 +221,12 @@ class RecipeSearch:
     chosen: MethodSettings
     start: MethodSettings
     trials: tuple[Trial, ...]  # in the order tried
+    # What the search could ship (None: anything it tried). The papers' recipe and the seeds are
+    # measured whatever the space, as what a choice must beat, but never shipped from outside it.
+    space: SearchSpace | None = None
+
+    def allowed(self, settings: MethodSettings) -> bool:
+        return self.space is None or self.space.holds(settings)
 
     def ppl_of(self, settings: MethodSettings) -> float:
         key = recipe_key(settings)
@@ -217,8 +237,8 @@ class RecipeSearch:
         yet (so the held-out half also sees the best of the kind the choice passed over), the chosen
         recipe with the same ratio in every layer where the search tried it (so every profile shows
         what its per-layer allocation buys on prompts that did not choose it) and the papers'
-        recipe the search started from."""
-        ranked = sorted(self.trials, key=lambda t: t.ppl)
+        recipe the search started from (the others all within the search's space)."""
+        ranked = sorted((t for t in self.trials if self.allowed(t.settings)), key=lambda t: t.ppl)
         picked = {recipe_key(self.chosen): self.chosen}
         for trial in ranked:
             if len(picked) >= count:
@@ -249,7 +269,7 @@ def pick_recipe(search: RecipeSearch, held_out: dict[tuple, float], choosing: in
     def overall(key: tuple) -> float:
         return (choosing * math.log(by_key[key].ppl) + confirming * math.log(held_out[key])) / (choosing + confirming)
 
-    return by_key[min(held_out, key=overall)].settings
+    return by_key[min((k for k in held_out if search.allowed(by_key[k].settings)), key=overall)].settings
 
 
 # Measures the new recipes of one stage, together (`passes.recipe_ppls` runs them side by side):
@@ -349,11 +369,14 @@ def search_recipe(
             if round_ == 1:
                 first[attr] = (incumbent.ppl, {_value(attr, s): trials[recipe_key(s)].ppl for s in options})
             best = min((trials[recipe_key(s)] for s in options), key=lambda t: t.ppl)
-            if best.ppl < incumbent.ppl:
+            # A start or seed outside the space (`--space selections=importance` beside H2O's seed)
+            # takes the stage's best value even when that measures worse: the space binds the choice.
+            if best.ppl < incumbent.ppl or not space.holds_rule(current, attr):
                 current = best.settings
         if recipe_key(current) == before:
             break
-    return RecipeSearch(chosen=current, start=start, trials=tuple(trials.values()))
+    return RecipeSearch(chosen=current, start=start, trials=tuple(trials.values()), space=space)
+
 
 
 def _value(attr: str, settings: MethodSettings) -> object:

@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvtool.calibrate.config import CalibrateConfig
-from kvtool.calibrate.recipes import RecipeSearch, SearchSpace, recipe_key, search_recipe, seed_recipes
+from kvtool.calibrate.recipes import (
+    FIRST_STAGE, SEARCH_SELECTIONS, SEED_STAGE, RecipeSearch, SearchSpace, recipe_key, search_recipe, seed_recipes,
+)
 from kvtool.runtime.eviction import EVICT_RULES
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile
@@ -44,8 +46,11 @@ def replay(profile: Profile, *, per_pass: int, retry_within: float | None) -> Re
     tried = {trial.scorer for trial in info.recipes}
     # The generation rules its stages tried (one rule, as `--space evictions=X` asks: no such stage).
     rules = {t.eviction for t in info.recipes if t.stage.startswith("generation rule")}
+    # The selections its stages reached (the seeds' alone say nothing: `--space selections=X` binds).
+    reached = [t.selection for t in info.recipes if t.stage not in (FIRST_STAGE, SEED_STAGE)]
     space = SearchSpace(
         evictions=tuple(e for e in EVICT_RULES if e in rules) or (profile.method.eviction,),
+        selections=tuple(s for s in SEARCH_SELECTIONS if s in reached) or (profile.method.selection,),
         scorers=tuple(s for s in SearchSpace().scorers if s in tried),
         heads=tuple(dict.fromkeys(t.heads for t in info.recipes)),
     )
