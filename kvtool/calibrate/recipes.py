@@ -378,7 +378,6 @@ def search_recipe(
     return RecipeSearch(chosen=current, start=start, trials=tuple(trials.values()), space=space)
 
 
-
 def _value(attr: str, settings: MethodSettings) -> object:
     """The value a stage sets (the scorer stage: the scorer with its window, pool width and share)."""
     if attr == "scorer":
