@@ -83,7 +83,7 @@ class SearchSpace:
             return True
         if attr == "recent_share" and settings.selection != "importance":
             return True
-        return getattr(settings, attr) in getattr(self, next(field for _, a, field in STAGES if a == attr))
+        return getattr(settings, attr) in space_values(self, attr)
 
     def checked(self) -> "SearchSpace":
         """The same space with duplicates dropped; a one-line KvtoolError for a bad value."""
@@ -174,11 +174,16 @@ def recipe_key(settings: MethodSettings) -> tuple:
     )
 
 
+def space_values(space: SearchSpace, attr: str) -> tuple:
+    """The values `space` allows for the MethodSettings field `attr` (one of STAGES)."""
+    return getattr(space, next(field for _, a, field in STAGES if a == attr))
+
+
 def stage_options(attr: str, current: MethodSettings, space: SearchSpace) -> list[MethodSettings]:
     """The recipes one stage tries: `current` with each value of `attr` (the scorer stage tries the
     window scorer at every window and pool width, so they are never judged under a scorer that
     ignores them)."""
-    values = getattr(space, next(v for _, a, v in STAGES if a == attr))
+    values = space_values(space, attr)
     options = []
     for value in values:
         if attr == "scorer" and value in WINDOW_SCORERS:
