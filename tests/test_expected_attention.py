@@ -1,8 +1,11 @@
 """The expected-attention scorer against a float64 brute force, and against a real model's attention:
 with the statistics of one known query (its mean, zero covariance, one future position) it is that
-query's attention, so the tap, RoPE's pairing, its base per layer type and the logit scale are right."""
+query's attention, so the tap, RoPE's pairing, its base per layer type and the logit scale are right.
+TriAttention's score against a brute force in complex numbers."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -112,3 +115,72 @@ def test_one_known_query_gives_its_own_attention(make):
         expected = attention.view(kv_heads, heads // kv_heads, 11).mean(dim=1)
         norm = values[0].double().norm(dim=-1)
         torch.testing.assert_close(got[0], expected * norm / norm.mean(dim=-1, keepdim=True), rtol=1e-7, atol=1e-10)
+
+
+def brute_force_triattention(keys, valid, mean, pair_norm, rotation, starts=None):
+    """TriAttention per query head, in complex numbers: pair f of a head is the complex number
+    x_i + j·x_{i+D/2}; a query at position P turns the centre by e^{j·ω_f·P} (angle and length read
+    off the rotary module at P), so the series is Re(q̄_f e^{jω_f P} conj(k_f)) summed over f and
+    averaged over P = start - 1 + 2^t (t = 0 ... 16), plus Σ_f (E|q_f| - |q̄_f|)|k_f|; the logit scale
+    times that is softmaxed over the valid keys and averaged over the KV head's query heads."""
+    bsz, kv_heads, n, dim = keys.shape
+    heads, half = mean.shape[0], dim // 2
+    out = torch.zeros(bsz, kv_heads, n, dtype=torch.float64)
+    for b in range(bsz):
+        start = int(valid[b].sum()) if starts is None else int(starts[b])
+        positions = torch.tensor([[start - 1 + 2**t for t in range(17)]])
+        cos, sin = rotation.rotary(torch.zeros(1), positions, *(() if rotation.layer_type is None else (rotation.layer_type,)))
+        turns = torch.complex(cos[0, :, :half].double(), sin[0, :, :half].double())  # [17, D/2]
+        real = [j for j in range(n) if valid[b, j]]
+        for q in range(heads):
+            h = q // (heads // kv_heads)
+            centre = torch.complex(mean[q, :half].double(), mean[q, half:].double())
+            logits = []
+            for j in real:
+                key = torch.complex(keys[b, h, j, :half].double(), keys[b, h, j, half:].double())
+                series = torch.stack([(centre * turn * key.conj()).real.sum() for turn in turns]).mean()
+                norm = ((pair_norm[q].double() - centre.abs()) * key.abs()).sum()
+                logits.append(rotation.scaling * (series + norm))
+            out[b, h, real] += torch.softmax(torch.stack(logits), dim=0) / (heads // kv_heads)
+    return out
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_triattention_scores_match_a_float64_brute_force(make):
+    from kvtool.runtime.importance.triattention import triattention_probs
+
+    model = make()
+    layer = next(i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["full_attention"] * 3) if t == "full_attention")
+    rotation = future_rotations(model)[layer]
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.model.layers[layer].self_attn.head_dim
+    keys = torch.randn(2, kv_heads, 9, dim, generator=g, dtype=torch.float64)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    mean = torch.randn(heads, dim, generator=g, dtype=torch.float64)
+    centre_norm = torch.hypot(mean[:, : dim // 2], mean[:, dim // 2 :])
+    pair_norm = centre_norm + torch.rand(heads, dim // 2, generator=g, dtype=torch.float64)  # E|q_f| >= |E q_f|
+    queries = LayerQueries(mean, torch.zeros(heads, dim, dim, dtype=torch.float64), rotation, future=5, pair_norm=pair_norm)
+    got = triattention_probs(keys, valid, queries)
+    torch.testing.assert_close(got, brute_force_triattention(keys, valid, mean, pair_norm, rotation), rtol=1e-9, atol=1e-12)
+    assert bool((got[1, :, :3] == 0).all()) and float(got.max()) <= 1
+    # From another position (a generation step's): the series moves with the distance.
+    starts = torch.tensor([40, 23])
+    moved = triattention_probs(keys, valid, queries, start=starts)
+    torch.testing.assert_close(moved, brute_force_triattention(keys, valid, mean, pair_norm, rotation, starts), rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(moved, got)
+    # Without the norm term the ranking changes: it is part of the score.
+    plain = triattention_probs(keys, valid, dataclasses.replace(queries, pair_norm=centre_norm))
+    assert not torch.allclose(plain, got)
+
+
+def test_triattention_without_pair_norms_is_a_one_line_error():
+    from kvtool.errors import KvtoolError
+    from kvtool.runtime.importance.triattention import triattention_probs
+
+    model = tiny_llama()
+    rotation = future_rotations(model)[0]
+    heads, dim = model.config.num_attention_heads, model.config.head_dim
+    queries = LayerQueries(torch.zeros(heads, dim), torch.zeros(heads, dim, dim), rotation, future=5)
+    with pytest.raises(KvtoolError, match="per-frequency query norms"):
+        triattention_probs(torch.zeros(1, model.config.num_key_value_heads, 4, dim), torch.ones(1, 4, dtype=torch.bool), queries)

@@ -40,18 +40,21 @@ RECIPES = {
     "prompt-only": MethodSettings(eviction="prompt-only"),
     "expected-attention, per-head": MethodSettings(eviction="expected-attention", heads="per-head"),
     "expected-attention, shared": MethodSettings(eviction="expected-attention"),
+    "triattention, per-head": MethodSettings(eviction="triattention", heads="per-head", scorer="triattention"),
 }
 
 
 def recipe_profile(model, recipe: str):
     """`uniform_profile` at 0.3 with the recipe's rules, and random query statistics where they read them."""
     profile = uniform_profile(model, 0.3, RECIPES[recipe])
-    if not recipe.startswith("expected-attention"):
+    if not recipe.startswith(("expected-attention", "triattention")):
         return profile
     g = torch.Generator().manual_seed(2)
     layers, heads, dim = model.config.num_hidden_layers, model.config.num_attention_heads, model.config.head_dim
     root = torch.randn(layers, heads, dim, dim, generator=g) / dim
-    stats = QueryStats(tuple(range(layers)), torch.randn(layers, heads, dim, generator=g), root @ root.transpose(-1, -2), 100)
+    mean = torch.randn(layers, heads, dim, generator=g)
+    pairs = torch.hypot(mean[..., : dim // 2], mean[..., dim // 2 :]) + torch.rand(layers, heads, dim // 2, generator=g)
+    stats = QueryStats(tuple(range(layers)), mean, root @ root.transpose(-1, -2), 100, pair_norm=pairs)
     return dataclasses.replace(profile, query_stats=stats)
 
 
@@ -197,7 +200,10 @@ def _to_meta(cache, meta_model) -> None:
 
 
 @pytest.mark.parametrize(
-    "recipe", ["shipped: heavy-hitter, per-head, union", "fixed-point, shared", "tova, per-head", "expected-attention, per-head"]
+    "recipe", [
+        "shipped: heavy-hitter, per-head, union", "fixed-point, shared", "tova, per-head", "expected-attention, per-head",
+        "triattention, per-head",
+    ]
 )
 def test_a_fixed_step_never_waits_for_the_device(model, recipe: str) -> None:
     """The step a CUDA graph captures must not read the GPU's values on the host or copy host data in.

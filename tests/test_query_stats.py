@@ -26,7 +26,8 @@ def stats_for(profile, seed: int = 0) -> QueryStats:
     g = torch.Generator().manual_seed(seed)
     heads, dim = profile.model.num_attention_heads, profile.model.head_dim
     root = torch.randn(3, heads, dim, dim, generator=g)
-    return QueryStats((0, 1, 2), torch.randn(3, heads, dim, generator=g), root @ root.transpose(-1, -2), queries=1234)
+    pairs = torch.rand(3, heads, dim // 2, generator=g)
+    return QueryStats((0, 1, 2), torch.randn(3, heads, dim, generator=g), root @ root.transpose(-1, -2), queries=1234, pair_norm=pairs)
 
 
 def saved(tmp_path: Path):
@@ -47,6 +48,18 @@ def test_statistics_round_trip_beside_the_profile(tmp_path: Path) -> None:
     torch.testing.assert_close(loaded.query_stats.mean, stats.mean)
     # Covariances are stored in float16: a relative error of float16's precision.
     torch.testing.assert_close(loaded.query_stats.cov.float(), stats.cov, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(loaded.query_stats.pair_norm, stats.pair_norm)
+
+
+def test_statistics_without_pair_norms_still_load(tmp_path: Path) -> None:
+    """A sidecar written before the pair norms were recorded loads with none (TriAttention then
+    refuses in one line; the other rules read what is there)."""
+    profile = make_profile()
+    stats = dataclasses.replace(stats_for(profile), pair_norm=None)
+    path = save_profile(dataclasses.replace(profile, query_stats=stats), tmp_path / "p.yaml")
+    loaded = read_profile(path).query_stats
+    assert loaded.pair_norm is None and loaded.pair_norms(0) is None
+    torch.testing.assert_close(loaded.mean, stats.mean)
 
 
 def test_a_profile_without_statistics_writes_no_sidecar(tmp_path: Path) -> None:
@@ -108,6 +121,7 @@ def test_recorded_statistics_are_the_real_rows_mean_and_covariance(make) -> None
     alone = record_query_stats(model, singles)
     torch.testing.assert_close(stats.mean, alone.mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats.cov, alone.cov, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.pair_norm, alone.pair_norm, rtol=1e-5, atol=1e-6)
     assert stats.queries == 23
     layer = stats.layers[-1]
     tap = query_taps(model)[layer]
@@ -126,6 +140,9 @@ def test_recorded_statistics_are_the_real_rows_mean_and_covariance(make) -> None
     cov = torch.einsum("mhd,mhe->hde", centred, centred) / queries.shape[0]
     torch.testing.assert_close(stats.mean[-1].double(), mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats.cov[-1].double(), cov, rtol=1e-5, atol=1e-6)
+    half = queries.shape[-1] // 2
+    pairs = (queries[..., :half] ** 2 + queries[..., half:] ** 2).sqrt().mean(dim=0)  # RoPE's pairs: i with i + D/2
+    torch.testing.assert_close(stats.pair_norm[-1].double(), pairs, rtol=1e-5, atol=1e-6)
     types = getattr(model.config, "layer_types", None)
     assert stats.layers == tuple(i for i in range(model.config.num_hidden_layers) if not types or types[i] == "full_attention")
 
@@ -144,7 +161,10 @@ def test_expected_attention_without_statistics_is_a_one_line_error() -> None:
 
 @pytest.mark.parametrize(
     "scorer, eviction",
-    [("expected-attention", "tova"), ("expected-output", "tova"), ("attention-sum", "expected-attention")],
+    [
+        ("expected-attention", "tova"), ("expected-output", "tova"), ("attention-sum", "expected-attention"),
+        ("triattention", "tova"), ("attention-sum", "triattention"),
+    ],
 )
 def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path, scorer: str, eviction: str) -> None:
     """Calibration records the statistics, ships them with a profile whose scorer or generation rule
@@ -242,15 +262,17 @@ def test_the_full_pass_learns_the_statistics_it_then_scores_by(make) -> None:
     batches = make_batches([s.tolist() for s in prompts([19, 26, 23])], 2, 0)
     answers = [[None] * len(b.rows) for b in batches]
     expected = MethodSettings(scorer="expected-attention")
-    common = dict(reference_tokens=3, with_references=True, scorers=(MethodSettings(), expected))
+    tri = MethodSettings(scorer="triattention")
+    common = dict(reference_tokens=3, with_references=True, scorers=(MethodSettings(), expected, tri))
     tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 2})()
     learned = full_pass(model, tokenizer, batches, answers, MethodSettings(), queries=QueryRecorder(model), **common)
     stats = record_query_stats(model, batches)
     torch.testing.assert_close(learned.query_stats.mean, stats.mean, rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(learned.query_stats.cov, stats.cov, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(learned.query_stats.pair_norm, stats.pair_norm, rtol=1e-6, atol=1e-8)
     assert learned.query_stats.queries == stats.queries == 68
     given = full_pass(model, tokenizer, batches, answers, MethodSettings(), query_stats=learned.query_stats, **common)
-    for key in ("attention-sum", "expected-attention"):
+    for key in ("attention-sum", "expected-attention", "triattention"):
         a, b = learned.stats_by_scorer[key], given.stats_by_scorer[key]
         assert a.layers == b.layers
         np.testing.assert_allclose(a.curves, b.curves, rtol=1e-9, atol=1e-12)
@@ -259,3 +281,4 @@ def test_the_full_pass_learns_the_statistics_it_then_scores_by(make) -> None:
         for index, layer in ours.full_cache.compressing_layers().items():
             other = theirs.full_cache.compressing_layers()[index]
             torch.testing.assert_close(layer.prompt_scores.expected, other.prompt_scores.expected, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(layer.prompt_scores.triattention, other.prompt_scores.triattention, rtol=1e-9, atol=1e-12)

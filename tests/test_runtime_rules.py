@@ -37,6 +37,7 @@ from kvtool.models.forward import with_cache
 from kvtool.models.queries import future_rotations, output_grams
 from kvtool.runtime.importance import LayerQueries
 from test_expected_attention import brute_force as brute_force_expected
+from test_expected_attention import brute_force_triattention
 from tiny_models import GREEDY, left_pad, profile_with, prompts, tiny_llama
 
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 8, 0.3
@@ -385,6 +386,12 @@ def reference_evict(
         )[0]
         received = list(score if per_head else score.mean(dim=0, keepdim=True).expand_as(score))
         rule = "tova"
+    if rule == "triattention":  # likewise, by TriAttention's score from the next token's position
+        keys = torch.stack([torch.stack([e["k"] for e in entries]) for entries in heads])[None]
+        valid = torch.ones(1, keys.shape[2], dtype=torch.bool)
+        score = brute_force_triattention(keys, valid, queries.mean, queries.pair_norm, queries.rotation, starts=[seen])[0]
+        received = list(score if per_head else score.mean(dim=0, keepdim=True).expand_as(score))
+        rule = "tova"
     for kv, entries in enumerate(heads):
         if rule == "fixed-point":
             victim = next(i for i, e in enumerate(entries) if not e["frozen"])  # oldest after the frozen prefix
@@ -428,6 +435,11 @@ CASES = {
     # Expected Attention while generating, from the entries' true positions.
     "per-head-window-expected": ("per-head", "window", 4, 3, "none", "expected-attention"),
     "shared-expected-expected-position": ("shared", "expected-attention", 1, 1, "position", "expected-attention"),
+    # TriAttention's distance-aware score, for the prompt and while generating.
+    "per-head-tri-tova": ("per-head", "triattention", 1, 1, "none", "tova"),
+    "shared-tri-h2o-share": ("shared", "triattention", 1, 1, "none", "heavy-hitter", 0.25),
+    "per-head-union-triattention": ("per-head", "union", 4, 3, "none", "triattention"),
+    "shared-tri-triattention-position": ("shared", "triattention", 1, 1, "position", "triattention"),
 }
 
 
@@ -439,7 +451,11 @@ def random_queries(model, seed: int = 5) -> dict[int, LayerQueries]:
     for index, rotation in rotations.items():
         root = torch.randn(HEADS, model.config.head_dim, model.config.head_dim, generator=g, dtype=torch.float64)
         mean = 2 * torch.randn(HEADS, model.config.head_dim, generator=g, dtype=torch.float64)
-        out[index] = LayerQueries(mean, root @ root.transpose(-1, -2) / 4, rotation, future=7, output=grams[index])
+        half = model.config.head_dim // 2
+        pair_norm = torch.hypot(mean[:, :half], mean[:, half:]) + torch.rand(HEADS, half, generator=g, dtype=torch.float64)
+        out[index] = LayerQueries(
+            mean, root @ root.transpose(-1, -2) / 4, rotation, future=7, output=grams[index], pair_norm=pair_norm
+        )
     return out
 
 
@@ -484,6 +500,9 @@ def test_compressed_decoding_matches_per_head_reference(case, draft):
                 score = brute_force_expected(
                     full.layers[index].keys, full.layers[index].values, valid, q.mean, q.cov, q.rotation, q.future, out_proj
                 )[0]
+            elif scorer == "triattention":
+                q = queries[index]
+                score = brute_force_triattention(full.layers[index].keys, torch.ones(1, n, dtype=torch.bool), q.mean, q.pair_norm, q.rotation)[0]
             else:
                 score = reference_scores(maps[index], scorer, window, pool, window_share, draft)
             h2o_score = maps[index].sum(dim=1).view(KV_HEADS, GROUPS, n).mean(dim=1)
@@ -568,6 +587,8 @@ BATCH_CASES = {
     "per-head-output-tova": dict(heads="per-head", scorer="expected-output", evict="tova", queries=True),
     "per-head-union-expected": dict(heads="per-head", scorer="union", window=8, pool=7, evict="expected-attention", queries=True),
     "shared-expected-expected": dict(scorer="expected-attention", evict="expected-attention", queries=True),
+    "per-head-tri-tova": dict(heads="per-head", scorer="triattention", evict="tova", queries=True),
+    "shared-tri-triattention": dict(scorer="triattention", evict="triattention", queries=True),
 }
 
 

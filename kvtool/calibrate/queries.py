@@ -1,8 +1,8 @@
 """Per-head query statistics for Expected Attention, recorded over the calibration prompts.
 
 A forward hook on every compressing layer's pre-RoPE query (`models.queries.query_taps`) during
-the prompt forwards: the real (unpadded) rows add to a float64 sum and sum of outer products per
-head, from which the mean and the population covariance follow. A calibration with a recipe search
+the prompt forwards: the real (unpadded) rows add to a float64 sum, sum of outer products and sum
+of RoPE-pair norms per head, from which the mean, the population covariance and E|q_f| follow. A calibration with a recipe search
 records them in its full pass's own prompt forwards and scores the recorded prompts once they are
 known (`passes.full_pass`); otherwise one plain forward per batch records them first. These are the
 prompt's queries: what the answer asks of the prompt is modelled by what the prompt's own rows asked
@@ -44,6 +44,7 @@ class QueryRecorder:
         self.taps = query_taps(model)
         self.sums: dict[int, torch.Tensor] = {}
         self.outer: dict[int, torch.Tensor] = {}
+        self.pairs: dict[int, torch.Tensor] = {}
         self.count = 0
         self._valid: torch.Tensor | None = None
 
@@ -54,6 +55,9 @@ class QueryRecorder:
             rows = self.taps[index].shape(output, self._valid.shape[1])[self._valid].double()  # [m, Hq, D]
             self.sums[index] = self.sums.get(index, 0) + rows.sum(dim=0)
             self.outer[index] = self.outer.get(index, 0) + torch.einsum("mhd,mhe->hde", rows, rows)
+            half = rows.shape[-1] // 2
+            pair = torch.hypot(rows[..., :half], rows[..., half:])  # [m, Hq, D/2]: RoPE turns i with i + D/2
+            self.pairs[index] = self.pairs.get(index, 0) + pair.sum(dim=0)
 
         return record
 
@@ -77,12 +81,13 @@ class QueryRecorder:
             self._valid = None
 
     def stats(self, future: int = FUTURE_POSITIONS) -> QueryStats:
-        """Each layer's mean and population covariance over every real row recorded."""
+        """Each layer's mean, population covariance and mean pair norms over every real row recorded."""
         if not self.count:
             raise KvtoolError("internal: no prompt rows were recorded for the query statistics")
         mean = torch.stack([self.sums[i] / self.count for i in self.layers])
         cov = torch.stack([self.outer[i] / self.count for i in self.layers]) - mean[..., :, None] * mean[..., None, :]
-        return QueryStats(self.layers, mean.float(), cov.float(), self.count, future)
+        pairs = torch.stack([self.pairs[i] / self.count for i in self.layers])
+        return QueryStats(self.layers, mean.float(), cov.float(), self.count, future, pairs.float())
 
 
 def record_query_stats(

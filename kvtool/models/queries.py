@@ -90,7 +90,11 @@ class FutureRotation:
     def mean(self, start: torch.Tensor, span: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, D], [B, D]): cos and sin averaged over positions start[b] ... start[b] + span - 1
         (the rotary module's attention scaling included, as it multiplies every query)."""
-        positions = start.long()[:, None] + torch.arange(span, device=start.device)
+        return self.mean_at(start, torch.arange(span, device=start.device), dtype)
+
+    def mean_at(self, start: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, D], [B, D]): cos and sin averaged over positions start[b] + offsets[j]."""
+        positions = start.long()[:, None] + offsets.long().to(start.device)
         probe = torch.zeros(1, device=start.device, dtype=torch.float32)
         args = (probe, positions) if self.layer_type is None else (probe, positions, self.layer_type)
         cos, sin = self.rotary(*args)

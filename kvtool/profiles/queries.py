@@ -1,7 +1,9 @@
 """Per-head query statistics learned by calibration: what Expected Attention needs from data.
 
 For each compressing layer and query head: the mean and covariance of the pre-RoPE queries
-calibration's prompts produced (`kvtool.calibrate.queries` records them). They are tensors, too
+calibration's prompts produced (`kvtool.calibrate.queries` records them), and the mean norm of each
+RoPE frequency's pair of dimensions, E|q_f| (TriAttention's norm term; profiles calibrated before it
+was recorded have none). They are tensors, too
 big for YAML, so a profile names a sidecar file beside it (`<profile>.queries.safetensors`) with
 its SHA-256, and the file carries the model's shape: a profile whose sidecar is missing, altered
 or made for another shape is refused in one line. Covariances are stored in float16 (half the
@@ -31,13 +33,16 @@ FUTURE_POSITIONS = 512
 class QueryStats:
     """layers: the decoder layers described, in order; mean [L, Hq, D]; cov [L, Hq, D, D] (the
     population covariance of each head's pre-RoPE queries); queries: how many query rows (tokens)
-    they were measured on; future: the positions after the prompt RoPE is averaged over."""
+    they were measured on; future: the positions after the prompt RoPE is averaged over;
+    pair_norm [L, Hq, D/2] or None: the mean norm of each head's pair of dimensions RoPE turns
+    together (dimension i with i + D/2)."""
 
     layers: tuple[int, ...]
     mean: torch.Tensor
     cov: torch.Tensor
     queries: int
     future: int = FUTURE_POSITIONS
+    pair_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, heads, dim = self.mean.shape
@@ -46,6 +51,8 @@ class QueryStats:
                 f"query statistics disagree: {len(self.layers)} layers, means {tuple(self.mean.shape)}, "
                 f"covariances {tuple(self.cov.shape)}"
             )
+        if self.pair_norm is not None and tuple(self.pair_norm.shape) != (n, heads, dim // 2):
+            raise KvtoolError(f"query statistics disagree: means {tuple(self.mean.shape)}, pair norms {tuple(self.pair_norm.shape)}")
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(mean [Hq, D], cov [Hq, D, D]) of decoder layer `index`, float32; None if not described."""
@@ -54,10 +61,17 @@ class QueryStats:
         i = self.layers.index(index)
         return self.mean[i].float(), self.cov[i].float()
 
+    def pair_norms(self, index: int) -> torch.Tensor | None:
+        """[Hq, D/2] float32 of decoder layer `index`; None if not described or not recorded."""
+        if self.pair_norm is None or index not in self.layers:
+            return None
+        return self.pair_norm[self.layers.index(index)].float()
+
     @property
     def nbytes(self) -> int:
-        """Bytes as stored (float32 means, float16 covariances)."""
-        return self.mean.numel() * 4 + self.cov.numel() * 2
+        """Bytes as stored (float32 means and pair norms, float16 covariances)."""
+        pairs = 0 if self.pair_norm is None else self.pair_norm.numel() * 4
+        return self.mean.numel() * 4 + self.cov.numel() * 2 + pairs
 
 
 def sidecar_path(profile_path: str | Path) -> Path:
@@ -74,6 +88,8 @@ def save_query_stats(stats: QueryStats, path: str | Path, *, heads: int, head_di
     if not bool(torch.isfinite(cov.half()).all()):
         raise KvtoolError("query covariances overflow float16; this model's queries are too large to store")
     tensors = {"mean": stats.mean.float().contiguous(), "cov": cov.half().contiguous()}
+    if stats.pair_norm is not None:
+        tensors["pair_norm"] = stats.pair_norm.float().contiguous()
     metadata = {
         "layers": json.dumps(list(stats.layers)), "queries": str(stats.queries), "heads": str(heads), "head_dim": str(head_dim),
     }
@@ -105,4 +121,4 @@ def load_query_stats(path: str | Path, sha256: str, *, heads: int, head_dim: int
         raise KvtoolError(f"{source}: not a kvtool query-statistics file ({exc})") from None
     if shape != (heads, head_dim):
         raise KvtoolError(f"{source} describes {shape[0]} query heads of dimension {shape[1]}; the model has {heads} of {head_dim}")
-    return QueryStats(layers, tensors["mean"], tensors["cov"], queries, future)
+    return QueryStats(layers, tensors["mean"], tensors["cov"], queries, future, tensors.get("pair_norm"))

@@ -24,9 +24,9 @@ MERGE_MODES = ("position", "none", "similarity-avg", "similarity-pivot", "simila
 # registry line there.
 SELECTION_RULES = ("importance", "recent", "heavy-hitter", "text-prior")
 # What a prompt token is worth (kvtool.runtime.importance) and whether KV heads choose their own entries.
-SCORERS = ("attention-sum", "window", "union", "expected-attention", "expected-output")
+SCORERS = ("attention-sum", "window", "union", "expected-attention", "expected-output", "triattention")
 # The scorers that read the profile's per-head query statistics (`Profile.queries`).
-QUERY_SCORERS = ("expected-attention", "expected-output")
+QUERY_SCORERS = ("expected-attention", "expected-output", "triattention")
 # The scorers that read the observation window and max-pool it (their window and pool matter).
 WINDOW_SCORERS = ("window", "union")
 HEAD_MODES = ("shared", "per-head")

@@ -124,7 +124,7 @@ def layer_queries(model, profile: Profile) -> dict[int, LayerQueries]:
         mean, cov = stats.layer(index)
         # On the layer's device (its output projection's): the expected-attention generation rule
         # reads them at every step.
-        queries = LayerQueries(mean, cov, rotations[index], stats.future, grams.get(index))
+        queries = LayerQueries(mean, cov, rotations[index], stats.future, grams.get(index), stats.pair_norms(index))
         out[index] = queries if index not in grams else queries.to(grams[index].device)
     return out
 

@@ -17,9 +17,12 @@ from kvtool.runtime.eviction.heavy_hitter_window import HeavyHitterWindow
 from kvtool.runtime.eviction.prompt_only import PromptOnly
 from kvtool.runtime.eviction.sliding import Sliding
 from kvtool.runtime.eviction.tova import Tova
+from kvtool.runtime.eviction.triattention import TriAttentionEvict
 
 EVICT_RULES: dict[str, type[EvictRule]] = {
-    rule.name: rule for rule in (FixedPoint, Sliding, HeavyHitter, HeavyHitterWindow, Tova, ExpectedAttentionEvict, PromptOnly)
+    rule.name: rule for rule in (
+        FixedPoint, Sliding, HeavyHitter, HeavyHitterWindow, Tova, ExpectedAttentionEvict, TriAttentionEvict, PromptOnly,
+    )
 }
 
 

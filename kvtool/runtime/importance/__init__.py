@@ -10,8 +10,9 @@ The passes (computed next to the attention output the layer needs anyway):
     decode         one new token's attention with the probabilities it gave each slot
 The scorers (what selection ranks by, from a PromptScores), by name: base (the interface),
 attention_sum, window, union, expected (Expected Attention, from calibrated query statistics),
-expected_output (the same weighted by what each entry writes through the output projection). A new
-scorer is one new module registered in SCORERS below.
+expected_output (the same weighted by what each entry writes through the output projection),
+triattention (TriAttention's distance-aware score, from the same statistics; `queried` adds the
+statistics' scores to a prompt's). A new scorer is one new module registered in SCORERS below.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvtool.runtime.importance.attention_sum import AttentionSum
 from kvtool.runtime.importance.base import Scorer
 from kvtool.runtime.importance.expected import ExpectedAttention, LayerQueries, expected_scores
 from kvtool.runtime.importance.expected_output import ExpectedOutput
+from kvtool.runtime.importance.triattention import TriAttention
 from kvtool.runtime.importance.block_size import BlockTuning, block_tuning, tune_blocks
 from kvtool.runtime.importance.decode import decode_attention_with_scores
 from kvtool.runtime.importance.prompt import (
@@ -34,7 +36,7 @@ from kvtool.runtime.importance.union import UnionScorer
 from kvtool.runtime.importance.window import WindowScorer, pool_before_window
 
 SCORERS: dict[str, type[Scorer]] = {
-    rule.name: rule for rule in (AttentionSum, WindowScorer, UnionScorer, ExpectedAttention, ExpectedOutput)
+    rule.name: rule for rule in (AttentionSum, WindowScorer, UnionScorer, ExpectedAttention, ExpectedOutput, TriAttention)
 }
 
 

@@ -28,18 +28,22 @@ from kvtool.runtime.importance.scores import PromptScores, ScoreRequest, accumul
 class LayerQueries:
     """One layer's query statistics and how RoPE turns them: mean [Hq, D], cov [Hq, D, D]; `output`
     [Hq, Dv, Dv], the Gram matrices of the output projection's per-head slices
-    (`models.queries.output_grams`; the expected-output scorer reads them)."""
+    (`models.queries.output_grams`; the expected-output scorer reads them); `pair_norm` [Hq, D/2],
+    the mean norm of each RoPE pair of the queries (the triattention rules read it)."""
 
     mean: torch.Tensor
     cov: torch.Tensor
     rotation: FutureRotation
     future: int
     output: torch.Tensor | None = None
+    pair_norm: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "LayerQueries":
         """The same statistics on `device` (a decode step must not copy them in from the host)."""
-        output = None if self.output is None else self.output.to(device)
-        return replace(self, mean=self.mean.to(device), cov=self.cov.to(device), output=output)
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(
+            self, mean=self.mean.to(device), cov=self.cov.to(device), output=moved(self.output), pair_norm=moved(self.pair_norm)
+        )
 
 
 def expected_probs(
@@ -89,18 +93,7 @@ def expected_output_scores(
     """[B, Hkv, n]: per query head, its expected attention to a column times ‖W_h v‖ (what that head
     writes to the residual stream through the output projection), relative to the row's mean, then
     averaged over each KV head's query heads; 0 on padding."""
-    return _output_weighted(expected_probs(keys, token_valid, queries), values, token_valid.bool(), queries)
-
-
-def with_expected(
-    scores: PromptScores, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries,
-    output: bool,
-) -> PromptScores:
-    """`scores` with the expected-attention scores, and with `output` the expected-output ones too
-    (one softmax for both)."""
-    probs, valid = expected_probs(keys, token_valid, queries), token_valid.bool()
-    output = _output_weighted(probs, values, valid, queries) if output else None
-    return replace(scores, expected=value_weighted(probs, values, valid), expected_output=output)
+    return output_weighted(expected_probs(keys, token_valid, queries), values, token_valid.bool(), queries)
 
 
 def value_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -109,7 +102,7 @@ def value_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tenso
     return expected * _relative(values.to(probs.dtype).norm(dim=-1), valid)
 
 
-def _output_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
+def output_weighted(probs: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, queries: LayerQueries) -> torch.Tensor:
     if queries.output is None:
         raise KvtoolError("internal: the expected-output scorer was handed no output projection")
     bsz, kv_heads, n, _ = values.shape

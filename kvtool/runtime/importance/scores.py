@@ -19,7 +19,8 @@ class ScoreRequest:
     heads: also the column sums per KV head. window: also, per KV head, the attention the last
     `window` real prompt rows give each column (0: not needed). expected: the layer adds the
     expected-attention scores (`importance.expected`) from its keys, values and query statistics
-    (no pass computes them), and the expected-output ones for that scorer or a recording.
+    (no pass computes them), and the expected-output or triattention ones for that scorer or a
+    recording (`importance.queried`).
     """
 
     heads: bool = False
@@ -40,6 +41,7 @@ class PromptScores:
     expected: [B, Hkv, n] or None, the expected-attention scores (added by the layer, not the pass).
     expected_output: [B, Hkv, n] or None, the expected-output scores (likewise; only for that
         scorer or a recording).
+    triattention: [B, Hkv, n] or None, TriAttention's scores (likewise).
     Padded columns are 0 everywhere; padded query rows contribute nothing.
     """
 
@@ -48,6 +50,7 @@ class PromptScores:
     window: torch.Tensor | None = None
     expected: torch.Tensor | None = None
     expected_output: torch.Tensor | None = None
+    triattention: torch.Tensor | None = None
 
 
 NO_EXTRAS = ScoreRequest()
@@ -64,5 +67,5 @@ def with_rows(prompt: PromptScores | None, rows: PromptScores) -> PromptScores |
     more = lambda mine, theirs: None if mine is None else mine + theirs[..., :n].to(mine.dtype)  # noqa: E731
     return PromptScores(
         more(prompt.importance, rows.importance), more(prompt.heads, rows.heads), more(prompt.window, rows.heads),
-        prompt.expected, prompt.expected_output,
+        prompt.expected, prompt.expected_output, prompt.triattention,
     )

@@ -19,7 +19,7 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
-from kvtool.runtime.importance.expected import with_expected
+from kvtool.runtime.importance.queried import with_expected
 from kvtool.runtime.importance.window import window_sums
 from kvtool.runtime.layer.held_prompt import HeldPrompt
 from kvtool.runtime.layer.slots import is_packed
@@ -166,7 +166,7 @@ class PromptCompression:
         if self.prompt_image is not None:
             self.prompt_image = self.prompt_image[:, :n]
         if scores is not None:
-            cut = (scores.importance, scores.heads, scores.window, scores.expected, scores.expected_output)
+            cut = (scores.importance, scores.heads, scores.window, scores.expected, scores.expected_output, scores.triattention)
             scores = PromptScores(*(None if t is None else t[..., :n] for t in cut))
         return token_valid[:, :n], scores
 
@@ -181,8 +181,11 @@ class PromptCompression:
         importance = None if scores is None else scores.importance
         if scores is not None and self.score_request.expected and scores.expected is None:
             # Recording (calibration) serves every scorer; a profile only its own.
-            output = plan.record_importance or plan.scoring.name == "expected-output"
-            scores = with_expected(scores, keys, values, token_valid, plan.queries, output)
+            record = plan.record_importance
+            scores = with_expected(
+                scores, keys, values, token_valid, plan.queries, output=record or plan.scoring.name == "expected-output",
+                triattention=(record and plan.queries.pair_norm is not None) or plan.scoring.name == "triattention",
+            )
         rank_by = self._rank_by(scores, token_valid)
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid
@@ -229,7 +232,8 @@ class PromptCompression:
             raise KvtoolError("internal: expected-attention scores go onto a recorded prompt")
         n = self.prompt_valid.shape[1]
         self.prompt_scores = with_expected(
-            self.prompt_scores, self.keys[:, :, :n], self.values[:, :, :n], self.prompt_valid, queries, output=True
+            self.prompt_scores, self.keys[:, :, :n], self.values[:, :, :n], self.prompt_valid, queries, output=True,
+            triattention=queries.pair_norm is not None,
         )
 
     def scores_for(self, window: int) -> PromptScores | None:
