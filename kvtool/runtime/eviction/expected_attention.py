@@ -28,16 +28,18 @@ class ExpectedAttentionEvict(EvictRule):
     def frozen_count(self, prompt_kept: np.ndarray, *, truncation_distance: int, sink_tokens: int) -> np.ndarray:
         return np.minimum(sink_tokens, np.asarray(prompt_kept, dtype=np.int64))
 
+    def scores(self, entries: EntryView, start: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, S]: each entry's score, the coming queries' from position `start` [B] on."""
+        probs = expected_probs(entries.keys, entries.valid, entries.queries, start=start)
+        return value_weighted(probs, entries.values, entries.valid)
+
     def victim(self, entries: EntryView) -> torch.Tensor:
         if entries.queries is None or entries.keys is None:
             raise KvtoolError(
-                "the expected-attention eviction rule needs the query statistics a calibrated profile carries "
+                f"the {self.name} eviction rule needs the query statistics a calibrated profile carries "
                 "(kvtool calibrate records them)"
             )
-        valid = entries.valid
-        start = torch.as_tensor(entries.tokens, device=valid.device)
-        probs = expected_probs(entries.keys, valid, entries.queries, start=start)
-        score = value_weighted(probs, entries.values, valid)  # [B, Hkv, S]
+        score = self.scores(entries, torch.as_tensor(entries.tokens, device=entries.valid.device))
         if not entries.per_head:
             score = score.mean(dim=1)
         live = entries.entry_valid

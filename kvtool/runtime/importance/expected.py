@@ -46,6 +46,15 @@ class LayerQueries:
         )
 
 
+def check_fit(keys: torch.Tensor, queries: LayerQueries) -> int:
+    """The query heads of `queries`; a one-line KvtoolError unless they fit `keys` [B, Hkv, n, D]."""
+    kv_heads, dim = keys.shape[1], keys.shape[-1]
+    heads = queries.mean.shape[0]
+    if queries.mean.shape[-1] != dim or heads % kv_heads:
+        raise KvtoolError(f"query statistics of {heads} heads x {queries.mean.shape[-1]} do not fit keys of {kv_heads} x {dim}")
+    return heads
+
+
 def expected_probs(
     keys: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries, start: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -53,10 +62,7 @@ def expected_probs(
     keys [B, Hkv, n, D] (after RoPE, each at its row's true position), token_valid [B, n]; `start` [B]:
     the position of each row's next token, from which the future queries are averaged (default: the
     valid columns' count, a prompt's length)."""
-    bsz, kv_heads, n, dim = keys.shape
-    heads = queries.mean.shape[0]
-    if queries.mean.shape[-1] != dim or heads % kv_heads:
-        raise KvtoolError(f"query statistics of {heads} heads x {queries.mean.shape[-1]} do not fit keys of {kv_heads} x {dim}")
+    heads, kv_heads = check_fit(keys, queries), keys.shape[1]
     dtype = accumulation_dtype(keys.dtype)
     valid = token_valid.bool()
     start = valid.sum(dim=1) if start is None else start

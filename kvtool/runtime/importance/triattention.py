@@ -23,7 +23,7 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.models.queries import rotated
-from kvtool.runtime.importance.expected import ExpectedAttention, LayerQueries
+from kvtool.runtime.importance.expected import ExpectedAttention, LayerQueries, check_fit
 from kvtool.runtime.importance.scores import accumulation_dtype
 
 # The future offsets after the newest token: 2^0 ... 2^16 (TriAttention's 1 ... 65536, geometric).
@@ -43,9 +43,7 @@ def triattention_probs(
             "(calibrated before they were recorded); recalibrate with kvtool calibrate"
         )
     bsz, kv_heads, n, dim = keys.shape
-    heads = queries.mean.shape[0]
-    if queries.mean.shape[-1] != dim or heads % kv_heads:
-        raise KvtoolError(f"query statistics of {heads} heads x {queries.mean.shape[-1]} do not fit keys of {kv_heads} x {dim}")
+    heads = check_fit(keys, queries)
     dtype = accumulation_dtype(keys.dtype)
     valid = token_valid.bool()
     start = valid.sum(dim=1) if start is None else start
