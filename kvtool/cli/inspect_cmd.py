@@ -131,9 +131,10 @@ def _query_rows(profile: Profile) -> list[tuple[str, str]]:
     if stats is None or ref is None:
         return []
     heads = stats.mean.shape[1]
+    what = "mean and covariance" if stats.pair_norm is None else "mean, covariance and RoPE-pair lengths"
     return [(
         "Query statistics",
-        f"{ref.file}: {len(stats.layers)} layers x {heads} heads, mean and covariance of {stats.queries:,} "
+        f"{ref.file}: {len(stats.layers)} layers x {heads} heads, {what} of {stats.queries:,} "
         f"calibration queries ({stats.nbytes / 1e3:,.0f} kB); RoPE averaged over the next {stats.future} positions",
     )]
 
