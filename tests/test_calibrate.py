@@ -818,6 +818,24 @@ def test_prompt_cost_repeats_stop_once_the_ratios_are_clear_of_the_limit() -> No
     assert not clear([1.0], None) and not clear([], 4.0)
 
 
+def test_prompt_cost_repeats_stop_once_a_majority_settles_the_median() -> None:
+    """Of three repeats, two on one side of the limit decide the median's side: the third cannot."""
+    import itertools
+    import statistics
+
+    from kvtool.calibrate.cost import settled
+
+    assert settled([2.8, 2.7], 4.0, 3) and settled([4.5, 5.0], 4.0, 3) and settled([4.0, 4.0], 4.0, 3)
+    assert not settled([2.8], 4.0, 3) and not settled([2.8, 4.5], 4.0, 3) and not settled([2.8, 2.7], None, 3)
+    assert not settled([2.8, 2.7], 4.0, 4) and settled([2.8, 2.7, 3.9], 4.0, 4)
+    # Whatever the repeats measure, stopping once settled gives the decision all of them give.
+    values = (1.0, 3.9, 4.0, 4.1, 9.0)
+    for repeats in (3, 4, 5):
+        for measured in itertools.product(values, repeat=repeats):
+            stop = next(k for k in range(1, repeats + 1) if k == repeats or settled(measured[:k], 4.0, repeats))
+            assert (statistics.median(measured[:stop]) <= 4.0) == (statistics.median(measured) <= 4.0), measured
+
+
 def test_the_prompt_cost_looks_at_one_row_first_and_times_the_batch_only_when_that_is_not_clearly_within(
     tiny: LoadedModel, monkeypatch
 ) -> None:
