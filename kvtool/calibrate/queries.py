@@ -1,13 +1,13 @@
-"""Per-head query statistics for Expected Attention, recorded over the calibration prompts.
+"""Per-head query statistics for Expected Attention and TriAttention, recorded over the calibration prompts.
 
 A forward hook on every compressing layer's pre-RoPE query (`models.queries.query_taps`) during
-the prompt forwards: the real (unpadded) rows add to a float64 sum, sum of outer products and sum
-of RoPE-pair norms per head, from which the mean, the population covariance and E|q_f| follow. A calibration with a recipe search
-records them in its full pass's own prompt forwards and scores the recorded prompts once they are
-known (`passes.full_pass`); otherwise one plain forward per batch records them first. These are the
-prompt's queries: what the answer asks of the prompt is modelled by what the prompt's own rows asked
-of it, as kvpress does from the prompt itself, here averaged over every calibration prompt and
-stored once (`profiles.queries`).
+the prompt forwards: the real (unpadded) rows add to a float64 sum, sum of outer products and sum of
+RoPE-pair norms per head, from which the mean, the population covariance and E|q_f| follow. A
+calibration with a recipe search records them in its full pass's own prompt forwards and scores the
+recorded prompts once they are known (`passes.full_pass`); otherwise one plain forward per batch
+records them first. These are the prompt's queries: what the answer asks of the prompt is modelled
+by what the prompt's own rows asked of it, as kvpress does from the prompt itself, here averaged
+over every calibration prompt and stored once (`profiles.queries`).
 """
 
 from __future__ import annotations
