@@ -1,4 +1,4 @@
-"""Per-head query statistics for Expected Attention and TriAttention, recorded over the calibration prompts.
+"""Per-head query statistics for Expected Attention and TriAttention, over the calibration prompts.
 
 A forward hook on every compressing layer's pre-RoPE query (`models.queries.query_taps`) during
 the prompt forwards: the real (unpadded) rows add to a float64 sum, sum of outer products and sum of
