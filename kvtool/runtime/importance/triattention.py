@@ -67,4 +67,4 @@ def triattention_probs(
 
 class TriAttention(ExpectedAttention):
     name = "triattention"
-    field = "triattention"  # computed beside `expected` (`expected.with_expected`)
+    field = "triattention"  # computed beside `expected` (`queried.with_expected`)
