@@ -184,3 +184,42 @@ def test_triattention_without_pair_norms_is_a_one_line_error():
     queries = LayerQueries(torch.zeros(heads, dim), torch.zeros(heads, dim, dim), rotation, future=5)
     with pytest.raises(KvtoolError, match="per-frequency query norms"):
         triattention_probs(torch.zeros(1, model.config.num_key_value_heads, 4, dim), torch.ones(1, 4, dtype=torch.bool), queries)
+
+
+def test_with_expected_adds_only_the_named_scores():
+    """A profile ranking by one query scorer gets that score alone (the expected softmax and its
+    covariance form run only for the scores that read them), each equal to its own function."""
+    from kvtool.runtime.importance.queried import QUERY_FIELDS, added, with_expected
+    from kvtool.runtime.importance.scores import PromptScores
+    from kvtool.runtime.importance.triattention import triattention_probs
+
+    model = tiny_llama()
+    rotation = future_rotations(model)[0]
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    keys = torch.randn(2, kv_heads, 6, dim, generator=g, dtype=torch.float64)
+    values = torch.randn(2, kv_heads, 6, dim, generator=g, dtype=torch.float64)
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    valid[0, :2] = False
+    mean = torch.randn(heads, dim, generator=g, dtype=torch.float64)
+    pair_norm = torch.hypot(mean[:, : dim // 2], mean[:, dim // 2 :]) + 0.5
+    queries = LayerQueries(mean, 0.1 * torch.eye(dim, dtype=torch.float64).expand(heads, dim, dim), rotation, future=4,
+                           output=torch.eye(dim, dtype=torch.float64).expand(heads, dim, dim), pair_norm=pair_norm)
+    base = PromptScores(importance=torch.zeros(2, 6, dtype=torch.float64))
+    direct = {
+        "expected": expected_scores(keys, values, valid, queries),
+        "expected_output": expected_output_scores(keys, values, valid, queries),
+        "triattention": triattention_probs(keys, valid, queries),
+    }
+    assert not added(base)
+    for name in QUERY_FIELDS:
+        got = with_expected(base, keys, values, valid, queries, (name,))
+        assert added(got)
+        for other in QUERY_FIELDS:
+            if other == name:
+                torch.testing.assert_close(getattr(got, other), direct[other], rtol=0, atol=0)
+            else:
+                assert getattr(got, other) is None
+    every = with_expected(base, keys, values, valid, queries, QUERY_FIELDS)
+    for name in QUERY_FIELDS:
+        torch.testing.assert_close(getattr(every, name), direct[name], rtol=0, atol=0)

@@ -16,4 +16,4 @@ from kvtool.runtime.importance.expected import ExpectedAttention
 
 class ExpectedOutput(ExpectedAttention):
     name = "expected-output"
-    field = "expected_output"  # `expected._output_weighted`, computed beside `expected`
+    field = "expected_output"  # added to the prompt's scores by `queried.with_expected`

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 import torch
@@ -11,17 +12,26 @@ from kvtool.runtime.importance.expected import LayerQueries, expected_probs, out
 from kvtool.runtime.importance.scores import PromptScores
 from kvtool.runtime.importance.triattention import triattention_probs
 
+# The PromptScores fields filled from query statistics (each query scorer's `field`).
+QUERY_FIELDS = ("expected", "expected_output", "triattention")
+
 
 def with_expected(
     scores: PromptScores, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, queries: LayerQueries,
-    *, output: bool, triattention: bool,
+    fields: Collection[str],
 ) -> PromptScores:
-    """`scores` with the expected-attention scores; with `output` the expected-output ones too (one
-    softmax for both), with `triattention` TriAttention's."""
-    probs, valid = expected_probs(keys, token_valid, queries), token_valid.bool()
+    """`scores` with the query-statistics scores named in `fields` (of QUERY_FIELDS); the expected
+    softmax runs once for `expected` and `expected_output` together, and only if one is named."""
+    valid = token_valid.bool()
+    probs = expected_probs(keys, token_valid, queries) if {"expected", "expected_output"} & set(fields) else None
     return replace(
         scores,
-        expected=value_weighted(probs, values, valid),
-        expected_output=output_weighted(probs, values, valid, queries) if output else None,
-        triattention=triattention_probs(keys, token_valid, queries) if triattention else None,
+        expected=value_weighted(probs, values, valid) if "expected" in fields else None,
+        expected_output=output_weighted(probs, values, valid, queries) if "expected_output" in fields else None,
+        triattention=triattention_probs(keys, token_valid, queries) if "triattention" in fields else None,
     )
+
+
+def added(scores: PromptScores) -> bool:
+    """Whether `scores` already carry any query-statistics scores."""
+    return any(getattr(scores, name) is not None for name in QUERY_FIELDS)

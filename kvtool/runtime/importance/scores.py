@@ -38,7 +38,8 @@ class PromptScores:
         (their mean over KV heads is `importance`).
     window: [B, Hkv, n] or None, per KV head the sum over the last `window` real query rows of
         A[row, column], averaged over the KV head's query heads (unpooled).
-    expected: [B, Hkv, n] or None, the expected-attention scores (added by the layer, not the pass).
+    expected: [B, Hkv, n] or None, the expected-attention scores (added by the layer, not the pass;
+        only for that scorer or a recording).
     expected_output: [B, Hkv, n] or None, the expected-output scores (likewise; only for that
         scorer or a recording).
     triattention: [B, Hkv, n] or None, TriAttention's scores (likewise).

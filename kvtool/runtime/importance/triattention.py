@@ -67,4 +67,4 @@ def triattention_probs(
 
 class TriAttention(ExpectedAttention):
     name = "triattention"
-    field = "triattention"  # computed beside `expected` (`queried.with_expected`)
+    field = "triattention"  # added to the prompt's scores by `queried.with_expected`

@@ -19,7 +19,7 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.importance import NO_EXTRAS, PromptScores, ScoreRequest
-from kvtool.runtime.importance.queried import with_expected
+from kvtool.runtime.importance.queried import QUERY_FIELDS, added, with_expected
 from kvtool.runtime.importance.window import window_sums
 from kvtool.runtime.layer.held_prompt import HeldPrompt
 from kvtool.runtime.layer.slots import is_packed
@@ -179,13 +179,10 @@ class PromptCompression:
         plan = self.plan
         keep = plan.keep(self.tokens)
         importance = None if scores is None else scores.importance
-        if scores is not None and self.score_request.expected and scores.expected is None:
+        if scores is not None and self.score_request.expected and not added(scores):
             # Recording (calibration) serves every scorer; a profile only its own.
-            record = plan.record_importance
-            scores = with_expected(
-                scores, keys, values, token_valid, plan.queries, output=record or plan.scoring.name == "expected-output",
-                triattention=(record and plan.queries.pair_norm is not None) or plan.scoring.name == "triattention",
-            )
+            fields = self._recorded_fields(plan.queries) if plan.record_importance else (plan.scoring.field,)
+            scores = with_expected(scores, keys, values, token_valid, plan.queries, fields)
         rank_by = self._rank_by(scores, token_valid)
         if plan.record_importance:
             self.prompt_importance, self.prompt_valid = importance, token_valid
@@ -232,9 +229,14 @@ class PromptCompression:
             raise KvtoolError("internal: expected-attention scores go onto a recorded prompt")
         n = self.prompt_valid.shape[1]
         self.prompt_scores = with_expected(
-            self.prompt_scores, self.keys[:, :, :n], self.values[:, :, :n], self.prompt_valid, queries, output=True,
-            triattention=queries.pair_norm is not None,
+            self.prompt_scores, self.keys[:, :, :n], self.values[:, :, :n], self.prompt_valid, queries,
+            self._recorded_fields(queries),
         )
+
+    @staticmethod
+    def _recorded_fields(queries) -> tuple[str, ...]:
+        """Every query-statistics score calibration tries; triattention's where the statistics carry its norms."""
+        return tuple(name for name in QUERY_FIELDS if name != "triattention" or queries.pair_norm is not None)
 
     def scores_for(self, window: int) -> PromptScores | None:
         """The recorded prompt scores as a pass asked for observation window `window` would give
