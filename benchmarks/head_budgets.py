@@ -123,6 +123,17 @@ def keep_masks(score: torch.Tensor, k: int, alpha: float) -> dict[str, torch.Ten
     return out
 
 
+def union_adakv(scores: dict[str, torch.Tensor], k: int, alpha: float) -> torch.Tensor:
+    """[Hkv, n]: the union's two lists with AdaKV on the window's: half the layer's entries go to
+    the window scores across heads (AdaKV, each head's floor), then each head adds its own top
+    column sums until it holds its window entries plus k - k // 2."""
+    n = scores["window"].shape[-1]
+    kept = keep_masks(scores["window"], k // 2, alpha)["adakv"].clone()
+    sums = scores["attention-sum"].masked_fill(protected(n)[None], float("inf")).masked_fill(kept, float("-inf"))
+    kept.scatter_(1, sums.topk(k - k // 2, dim=1).indices, True)
+    return kept
+
+
 def reference(model, tokenizer, ids: list[int], record, length: int) -> list[int]:
     if record.answers:
         return list(tokenizer(", ".join(record.answers), add_special_tokens=False)["input_ids"])
@@ -177,10 +188,11 @@ def main() -> None:
             for name in ("shared", "per-head", "adakv"):
                 variants[f"{scorer}/{name}"] = {layer: m[name] for layer, m in masks.items()}
         # kvtool's default scorer ranks by the better of the two ranks: AdaKV cannot compare ranks
-        # across heads (every head has the same ranks), so only its two equal layouts.
+        # across heads (every head has the same ranks), so its AdaKV allocates the window's list.
         masks = {layer: keep_masks(union(s), k, args.alpha) for layer, s in probe.scores.items()}
         for name in ("shared", "per-head"):
             variants[f"union/{name}"] = {layer: m[name] for layer, m in masks.items()}
+        variants["union/adakv"] = {layer: union_adakv(s, k, args.alpha) for layer, s in probe.scores.items()}
         spread = {}
         for name, keep in variants.items():
             probe.keep = keep or {layer: torch.ones_like(s["window"], dtype=torch.bool) for layer, s in probe.scores.items()}
@@ -218,14 +230,15 @@ def report(rows: list[dict]) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("\nper kind, adakv minus per-head (mean ± s.e.):")
     kinds = sorted({r["kind"] for r in rows})
-    for scorer in ("attention-sum", "window"):
+    scorers = [name for name in ("attention-sum", "window", "union") if f"{name}/adakv" in rows[0]["nll"]]
+    for scorer in scorers:
         parts = []
         for kind in kinds:
             d = torch.tensor([r["nll"][f"{scorer}/adakv"] - r["nll"][f"{scorer}/per-head"] for r in rows if r["kind"] == kind], dtype=torch.float64)
             parts.append(f"{kind} {_paired(d)}")
         print(f"  {scorer}: " + "; ".join(parts))
     shares = [r["adakv_heads"] for r in rows]
-    for scorer in ("attention-sum", "window"):
+    for scorer in scorers:
         mx = sum(s[f"{scorer}/adakv"]["max_share"] for s in shares) / len(shares)
         mn = sum(s[f"{scorer}/adakv"]["min_share"] for s in shares) / len(shares)
         print(f"  {scorer}/adakv: the fullest head holds {mx:.2f}x, the emptiest {mn:.2f}x an equal share (layer mean)")

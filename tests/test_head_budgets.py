@@ -54,6 +54,22 @@ def test_allocations_match_a_brute_force(probe):
     assert all(all(bool(m[h, j]) for h in range(hkv) for j in protected) for m in masks.values())
 
 
+def test_the_unions_adakv_splits_the_layer_between_the_two_lists(probe):
+    g = torch.Generator().manual_seed(5)
+    hkv, n, k = 3, 300, 60
+    scores = {"window": torch.rand(hkv, n, generator=g, dtype=torch.float64),
+              "attention-sum": torch.rand(hkv, n, generator=g, dtype=torch.float64)}
+    scores["window"][1] *= 4
+    kept = probe.union_adakv(scores, k, 0.2)
+    window = probe.keep_masks(scores["window"], k // 2, 0.2)["adakv"]
+    assert bool((kept >= window).all()) and int(kept.sum()) == hkv * k
+    for h in range(hkv):
+        rest = [j for j in range(n) if not window[h, j]]
+        top = sorted(rest, key=lambda j: -float(scores["attention-sum"][h, j]))[: k - k // 2]
+        assert set(kept[h].nonzero().flatten().tolist()) == set(window[h].nonzero().flatten().tolist()) | set(top)
+    assert int(kept[1].sum()) > k
+
+
 def test_masked_attention_is_the_models_when_all_is_kept_and_eager_when_not(probe):
     model = tiny_llama(dtype=torch.float32)
     ids = prompts([14])[0][None]
