@@ -38,6 +38,7 @@ from transformers import AttentionInterface
 from kvtool.data import load_jsonl
 from kvtool.data.long_prompts import long_prompts
 from kvtool.models import load_model, use_offline_defaults
+from kvtool.runtime.importance.union import rank_share
 from kvtool.scoring.encoding import encode_prompt
 
 SINKS, RECENT, WINDOW, POOL = 4, 8, 32, 31
@@ -90,13 +91,9 @@ def protected(n: int) -> torch.Tensor:
 def union(scores: dict[str, torch.Tensor]) -> torch.Tensor:
     """[Hkv, n]: each column's better rank under the column sums and the pooled window, as a share
     of the row (kvtool's `union` at its default window share, ties by position)."""
-    def share(score: torch.Tensor) -> torch.Tensor:
-        order = torch.sort(score, dim=-1, stable=True).indices
-        rank = torch.empty_like(order)
-        rank.scatter_(-1, order, torch.arange(score.shape[-1]).expand_as(order))
-        return (rank + 1).double() / score.shape[-1]
-
-    return torch.maximum(share(scores["attention-sum"]), share(scores["window"]))
+    n = scores["window"].shape[-1]
+    valid = torch.ones(1, n, dtype=torch.bool)
+    return torch.maximum(rank_share(scores["attention-sum"][None], valid), rank_share(scores["window"][None], valid))[0]
 
 
 def keep_masks(score: torch.Tensor, k: int, alpha: float) -> dict[str, torch.Tensor]:

@@ -118,3 +118,9 @@ def loop_attention(n: int, dropped_head: int, dropped_column: int):
         return out.to(query.dtype), None
 
     return forward
+
+
+def test_union_ranks_by_the_better_of_the_two_ranks(probe):
+    scores = {"attention-sum": torch.tensor([[0.1, 0.9, 0.5, 0.3]]), "window": torch.tensor([[0.8, 0.2, 0.1, 0.4]])}
+    # ranks as shares of 4: sums 0.25, 1, 0.75, 0.5; window 1, 0.5, 0.25, 0.75
+    torch.testing.assert_close(probe.union(scores), torch.tensor([[1.0, 1.0, 0.75, 0.75]]))
