@@ -30,6 +30,8 @@ cache is cut back to the prompt. References are the full cache's greedy output (
 `--held-out-per-kind` confirm. The evaluation set is never read.
 
     .venv/bin/python benchmarks/layer_budgets.py smollm2 --json layer-budgets.json
+    # the same curves, held-out prompts made about 2k tokens long:
+    .venv/bin/python benchmarks/layer_budgets.py smollm2 --curves layer-budgets.json --long-prompts 2048 --json long.json
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from head_budgets import _paired, protected, reference, union  # noqa: E402
 
 from kvtool.data import load_jsonl  # noqa: E402
+from kvtool.data.long_prompts import long_prompts  # noqa: E402
 from kvtool.models import load_model, use_offline_defaults  # noqa: E402
 from kvtool.models.forward import with_cache  # noqa: E402
 from kvtool.profiles.builtin import builtin_profile  # noqa: E402
@@ -186,9 +189,16 @@ def main() -> None:
     parser.add_argument("--held-out-per-kind", type=int, default=4)
     parser.add_argument("--reference-tokens", type=int, default=96)
     parser.add_argument("--max-prompt-tokens", type=int, default=4096)
+    parser.add_argument("--long-prompts", type=int, default=0, help="surround each held-out prompt with others to about this many tokens")
+    parser.add_argument("--curves", help="an earlier run's --json: its loss curves, instead of measuring them again")
     parser.add_argument("--json")
     args = parser.parse_args()
     ratios = sorted(float(r) for r in args.ratios.split(","))
+    earlier = None
+    if args.curves:
+        with open(args.curves) as f:
+            earlier = json.load(f)
+        ratios = earlier["ratios"]
     use_offline_defaults()
     torch.set_grad_enabled(False)
     loaded = load_model(args.model)
@@ -200,6 +210,8 @@ def main() -> None:
         by_kind[r.kind].append(r)
     choose = [r for kind in by_kind for r in by_kind[kind][: args.choose_per_kind]]
     held = [r for kind in by_kind for r in by_kind[kind][args.choose_per_kind : args.choose_per_kind + args.held_out_per_kind]]
+    if args.long_prompts:
+        held = list(long_prompts(held, records, args.long_prompts))
     builtin = read_profile(builtin_profile(args.model, args.budget))
     builtin_ratios = {i: layer.ratio for i, layer in enumerate(builtin.layers)}
     probe = CachedProbe()
@@ -215,8 +227,8 @@ def main() -> None:
         model(input_ids=torch.tensor([ids]), use_cache=True, **with_cache(model, cache))
         return ids, ref, cache
 
-    chosen_rows = []
-    for index, record in enumerate(choose):
+    chosen_rows = [] if earlier is None else earlier["choosing"]
+    for index, record in enumerate(choose if earlier is None else []):
         ids, ref, cache = prepared(record)
         n = len(ids)
         full = reference_nll(model, probe, cache, ref, {})
