@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--choose-per-kind", type=int, default=2)
     parser.add_argument("--held-out-per-kind", type=int, default=4)
     parser.add_argument("--reference-tokens", type=int, default=96)
+    parser.add_argument("--choose-reference-tokens", type=int, help="every choosing prompt's reference length (default: as the held-out ones')")
     parser.add_argument("--max-prompt-tokens", type=int, default=4096)
     parser.add_argument("--long-prompts", type=int, default=0, help="surround each held-out prompt with others to about this many tokens")
     parser.add_argument("--curves", help="an earlier run's --json: its loss curves, instead of measuring them again")
@@ -218,9 +219,13 @@ def main() -> None:
     AttentionInterface.register("layer_budgets_probe", probe)
     started = time.perf_counter()
 
-    def prepared(record):
+    def prepared(record, tokens=None):
+        """The prompt's ids, its reference (`tokens` for every kind, else 256 for long answers and
+        --reference-tokens for the rest) and its cache, scored."""
         ids = encode_prompt(tokenizer, record.prompt, args.max_prompt_tokens)
-        ref = reference(model, tokenizer, ids, record, 256 if record.kind == LONG_ANSWER else args.reference_tokens)
+        if tokens is None:
+            tokens = 256 if record.kind == LONG_ANSWER else args.reference_tokens
+        ref = reference(model, tokenizer, ids, record, tokens)
         model.set_attn_implementation("layer_budgets_probe")
         probe.mode, probe.prompt_len = "score", len(ids)
         cache = DynamicCache(config=model.config)
@@ -229,7 +234,7 @@ def main() -> None:
 
     chosen_rows = [] if earlier is None else earlier["choosing"]
     for index, record in enumerate(choose if earlier is None else []):
-        ids, ref, cache = prepared(record)
+        ids, ref, cache = prepared(record, args.choose_reference_tokens)
         n = len(ids)
         full = reference_nll(model, probe, cache, ref, {})
         deltas = [[reference_nll(model, probe, cache, ref, layer_masks(probe.scores, {layer: r}, n)) - full for r in ratios] for layer in range(layers)]
