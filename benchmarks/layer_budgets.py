@@ -49,7 +49,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from head_budgets import _paired, protected, reference, union  # noqa: E402
+from head_budgets import Probe, _paired, protected, reference, union  # noqa: E402
 
 from kvtool.data import load_jsonl  # noqa: E402
 from kvtool.data.long_prompts import long_prompts  # noqa: E402
@@ -59,46 +59,32 @@ from kvtool.profiles.builtin import builtin_profile  # noqa: E402
 from kvtool.profiles.io import read_profile  # noqa: E402
 from kvtool.scoring.encoding import encode_prompt  # noqa: E402
 
-WINDOW, POOL = 32, 31
 LONG_ANSWER = "long-answer"
 GRID = 0.01
 
 
-class CachedProbe:
-    """The attention function's state. 'score': a prompt forward (no cache before it) that records
-    each layer's per-head column sums and pooled window sums. 'mask': rows after the cached prompt's
-    n columns see, in each layer of `keep` ([Hkv, n] masks), only the kept prompt columns."""
-
-    def __init__(self) -> None:
-        self.mode = "score"
-        self.scores: dict[int, dict[str, torch.Tensor]] = {}
-        self.keep: dict[int, torch.Tensor] = {}
-        self.prompt_len = 0
+class CachedProbe(Probe):
+    """`head_budgets.Probe`'s scoring ('score': a prompt forward with no cache before it); its 'mask'
+    is for rows after a cached prompt of n columns: in each layer of `keep` ([Hkv, n] masks, a layer
+    missing keeps everything) they see only the kept prompt columns, and every row after the prompt
+    up to their own."""
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        _, hq, rows, dim = query.shape
-        hkv, columns = key.shape[1], key.shape[2]
-        group = hq // hkv
-        scaling = dim**-0.5 if scaling is None else scaling
-        key = key.repeat_interleave(group, dim=1)
-        value = value.repeat_interleave(group, dim=1)
+        if self.mode != "mask":
+            return super().__call__(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        hq, rows, columns = query.shape[1], query.shape[2], key.shape[2]
+        group = hq // key.shape[1]
         first = columns - rows  # the sequence position of the first query row
         allowed = torch.arange(columns)[None, :] <= torch.arange(first, columns)[:, None]  # [rows, columns]
-        if self.mode == "mask":
-            keep = self.keep.get(module.layer_idx)
-            allowed = allowed.expand(hq, rows, columns).clone()
-            if keep is not None:
-                allowed[:, :, : self.prompt_len] &= keep.repeat_interleave(group, dim=0)[:, None, :]
-            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed[None], scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
-        logits = (query @ key.transpose(-1, -2)) * scaling
-        probs = torch.softmax(logits.masked_fill(~allowed[None, None], float("-inf")), dim=-1)
-        per_kv = probs[0].view(hkv, group, rows, columns)
-        sums = per_kv.sum(dim=2).mean(dim=1)  # [Hkv, n]
-        window = per_kv[:, :, -WINDOW:, :].sum(dim=2).mean(dim=1)
-        window = torch.nn.functional.max_pool1d(window[:, None, :], POOL, stride=1, padding=POOL // 2)[:, 0]
-        self.scores[module.layer_idx] = {"attention-sum": sums, "window": window}
-        return (probs @ value).transpose(1, 2).contiguous(), None
+        allowed = allowed.expand(hq, rows, columns).clone()
+        keep = self.keep.get(module.layer_idx)
+        if keep is not None:
+            allowed[:, :, : self.prompt_len] &= keep.repeat_interleave(group, dim=0)[:, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1),
+            attn_mask=allowed[None], scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        )
+        return out.transpose(1, 2).contiguous(), None
 
 
 @torch.no_grad()
