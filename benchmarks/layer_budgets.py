@@ -12,7 +12,8 @@ loss per byte of each layer". This measures that allocation before building it i
 2. **The allocation.** The per-layer ratios, at least the smallest measured one and on a grid of
    0.01, that minimise the sum of the layers' interpolated losses with the layers' mean ratio equal
    to the budget (every layer holds the same number of entries per ratio here): an exact dynamic
-   programme over the grid (`allocate`). Summing single-layer losses assumes that the layers'
+   programme over the grid (`kvtool.profiles.loss_budget.solve_by_loss`, which calibration's
+   `measured` ratio source now uses). Summing single-layer losses assumes that the layers'
    losses add up; step 3 checks what the allocation does when every layer compresses at once.
 3. **Held out.** On other calibration prompts every layer compresses at once, with
    - the budget in every layer (`uniform`);
@@ -57,10 +58,10 @@ from kvtool.models import load_model, use_offline_defaults  # noqa: E402
 from kvtool.models.forward import with_cache  # noqa: E402
 from kvtool.profiles.builtin import builtin_profile  # noqa: E402
 from kvtool.profiles.io import read_profile  # noqa: E402
+from kvtool.profiles.loss_budget import clean_curves, solve_by_loss  # noqa: E402
 from kvtool.scoring.encoding import encode_prompt  # noqa: E402
 
 LONG_ANSWER = "long-answer"
-GRID = 0.01
 
 
 class CachedProbe(Probe):
@@ -112,58 +113,6 @@ def layer_masks(scores: dict[int, dict[str, torch.Tensor]], ratios: dict[int, fl
         keep = torch.zeros_like(ranked, dtype=torch.bool)
         masks[layer] = keep.scatter_(1, ranked.topk(k, dim=1).indices, True)
     return masks
-
-
-def loss_curves(deltas: np.ndarray, ratios: list[float]) -> np.ndarray:
-    """[L, R] mean NLL increases at `ratios` (ascending) -> the same, never below 0 and
-    non-increasing in the ratio (a larger ratio keeps a superset of the entries)."""
-    curves = np.maximum(deltas, 0.0)
-    return np.maximum.accumulate(curves[:, ::-1], axis=1)[:, ::-1]
-
-
-def interpolate(curve: np.ndarray, ratios: list[float], grid: np.ndarray) -> np.ndarray:
-    """A layer's loss on `grid`, linear between the measured ratios and down to 0 at ratio 1."""
-    xs = np.array([*ratios, 1.0])
-    ys = np.array([*curve, 0.0])
-    return np.interp(grid, xs, ys)
-
-
-def allocate(curves: np.ndarray, ratios: list[float], budget: float, step: float = GRID) -> np.ndarray:
-    """Per-layer ratios on a grid of `step` from min(ratios) to 1 whose mean is the budget (rounded to
-    the grid) and whose summed interpolated loss is least: an exact dynamic programme over layers and
-    grid units spent."""
-    layers = curves.shape[0]
-    lo = min(ratios)
-    grid = np.round(np.arange(lo, 1.0 + step / 2, step), 6)
-    units = np.round((grid - lo) / step).astype(int)  # units above the floor
-    total = int(round((budget - lo) * layers / step))
-    if total < 0:
-        raise ValueError(f"budget {budget} is below the smallest measured ratio {lo}")
-    costs = [interpolate(curves[i], ratios, grid) for i in range(layers)]
-    best = np.full(total + 1, np.inf)
-    best[0] = 0.0
-    choice = np.zeros((layers, total + 1), dtype=int)
-    for i in range(layers):
-        nxt = np.full(total + 1, np.inf)
-        for g, u in enumerate(units):
-            if u > total:
-                break
-            cand = np.full(total + 1, np.inf)
-            cand[u:] = best[: total + 1 - u] + costs[i][g]
-            better = cand < nxt
-            nxt[better] = cand[better]
-            choice[i][better] = g
-        best = nxt
-    if not np.isfinite(best[total]):
-        raise ValueError("no allocation reaches the budget")
-    out = np.zeros(layers)
-    left = total
-    for i in reversed(range(layers)):
-        # Recompute which grid point reached `left` at layer i from the stored choice.
-        g = choice[i][left]
-        out[i] = grid[g]
-        left -= units[g]
-    return out
 
 
 def main() -> None:
@@ -230,8 +179,8 @@ def main() -> None:
               f"worst layer +{max(max(d) for d in deltas):.3f}  ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     # Each prompt weighs the same.
     mean_deltas = np.mean([np.array(r["deltas"]) for r in chosen_rows], axis=0)
-    curves = loss_curves(mean_deltas, ratios)
-    measured = allocate(curves, ratios, args.budget)
+    curves = clean_curves(mean_deltas)
+    measured = solve_by_loss(curves, tuple(ratios), args.budget)
     allocations = {
         "uniform": {i: args.budget for i in range(layers)},
         "built-in": builtin_ratios,

@@ -1,11 +1,10 @@
-"""benchmarks/layer_budgets.py, the measured-loss layer allocation probe: its allocation against a
-brute force, its loss curves, and its cached masked forward against head_budgets' one-forward one
-(itself checked against a float64 loop in test_head_budgets.py)."""
+"""benchmarks/layer_budgets.py, the measured-loss layer allocation probe: its cached masked forward
+against head_budgets' one-forward one (itself checked against a float64 loop in
+test_head_budgets.py). Its allocation is kvtool's (tests/test_layer_loss.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import sys
 from pathlib import Path
 
@@ -41,26 +40,6 @@ def probes():
         sys.modules.pop("head_budgets", None)
         sys.modules.pop("layer_budgets", None)
     return heads, layers
-
-
-def test_allocation_is_the_least_loss_of_every_split(probes):
-    _, probe = probes
-    rng = np.random.default_rng(4)
-    ratios = [0.1, 0.2, 0.4]
-    for _ in range(5):
-        curves = probe.loss_curves(rng.gamma(1.0, 1.0, size=(3, 3)) * rng.uniform(0.1, 3, size=(3, 1)), ratios)
-        got = probe.allocate(curves, ratios, budget=0.3, step=0.1)
-        grid = np.round(np.arange(0.1, 1.05, 0.1), 6)
-        cost = lambda alloc: sum(probe.interpolate(curves[i], ratios, np.array([r]))[0] for i, r in enumerate(alloc))  # noqa: E731
-        splits = [s for s in itertools.product(grid, repeat=3) if abs(sum(s) - 0.9) < 1e-9]
-        assert abs(sum(got) - 0.9) < 1e-9
-        assert cost(got) == pytest.approx(min(cost(s) for s in splits), abs=1e-12)
-
-
-def test_loss_curves_never_rise_with_the_ratio_and_stay_at_least_zero(probes):
-    _, probe = probes
-    curves = probe.loss_curves(np.array([[0.5, 0.7, -0.1], [0.2, 0.1, 0.05]]), [0.1, 0.2, 0.4])
-    np.testing.assert_allclose(curves, [[0.7, 0.7, 0.0], [0.2, 0.1, 0.05]])
 
 
 def test_cached_masked_reference_matches_the_one_forward_probe(probes):

@@ -71,8 +71,8 @@ def test_search_finds_the_brute_force_best_of_a_separable_measure(seed):
     search = search_recipe(START, SPACE, each(lambda stage, s: calls.append(s) or measure(s)))
     best = brute_force(START, SPACE, measure)
     assert measure(search.chosen) == pytest.approx(measure(best))
-    # Each recipe measured once, and far fewer than the product (about 180 recipes).
-    assert len({recipe_key(s) for s in calls}) == len(calls) < 40
+    # Each recipe measured once, and far fewer than the product (about 240 recipes).
+    assert len({recipe_key(s) for s in calls}) == len(calls) < 45
     assert search.trials[0].stage == FIRST_STAGE and search.trials[0].settings == START
 
 
@@ -213,7 +213,7 @@ def test_the_search_space_default_covers_every_held_rule():
     product = list(itertools.product(
         SPACE.evictions, SPACE.scorers, SPACE.ratio_sources, SPACE.heads, SPACE.recent_shares, SPACE.merge_modes
     ))
-    assert len(product) == 720  # times the D values of the fixed-point queue
+    assert len(product) == 960  # times the D values of the fixed-point queue
 
 
 # ----- what a searched profile records ------------------------------------------------------------

@@ -15,7 +15,9 @@ from kvtool import __version__
 from kvtool.profiles.allocation import Allocation, solve_from_samples
 from kvtool.profiles.budget import floor_for, solve_ratios, stored_p
 from kvtool.profiles.lorenz import mean_curve
+from kvtool.profiles.loss_budget import clean_curves, solve_by_loss
 from kvtool.profiles.schema import WINDOW_SCORERS
+from kvtool.calibrate.layer_loss import LayerLosses
 from kvtool.calibrate.statistics import ImportanceStats
 from kvtool.calibrate.recipes import recipe_key
 from kvtool.calibrate.search import ChosenRecipe
@@ -51,6 +53,17 @@ def uniform(allocated: Allocated, budget: float) -> Allocated:
     )
 
 
+def by_loss(losses: LayerLosses, budget: float) -> Allocated:
+    """The `measured` ratio source: the ratios of least summed loss on the prompts' mean curves, with
+    the spread of each prompt's own solution."""
+    ratios = solve_by_loss(losses.curves, losses.ratios, budget)
+    per_sample = np.stack([solve_by_loss(clean_curves(deltas), losses.ratios, budget) for deltas in losses.deltas])
+    return Allocated(
+        allocation=Allocation(p=float("nan"), ratios=ratios, iterations=0),
+        spread=per_sample.std(axis=0), per_sample=per_sample,
+    )
+
+
 def build_profile(
     fingerprint: Any,
     budget: float,
@@ -60,15 +73,18 @@ def build_profile(
     image_share: dict[int, float] | None = None,
     *,
     scorer_stats: ImportanceStats | None = None,
+    losses: LayerLosses | None = None,
 ) -> Profile:
     """The profile of `allocated`'s ratios with `method`'s settings (D and merge mode as given).
 
     `stats` are the attention-sum statistics (PrefixKV's curves and Gini, always recorded);
     `scorer_stats` those of `method.scorer` when it is another, whose curves the ratios were solved
-    on (stored as each layer's `scorer_curve`, so re-budgeting solves on them too)."""
+    on (stored as each layer's `scorer_curve`, so re-budgeting solves on them too); `losses` the
+    measured layer losses the ratios were solved on (each layer's `loss_curve`, likewise)."""
     curves = mean_curve(stats.curves)
     scorer_curves = None if scorer_stats is None else mean_curve(scorer_stats.curves)
     gini = stats.layer_gini()
+    loss_curves = None if losses is None else losses.curves
     position = {layer: j for j, layer in enumerate(stats.layers)}
     layers = []
     for index in range(fingerprint.num_layers):
@@ -86,6 +102,7 @@ def build_profile(
                 priority_curve=tuple(float(v) for v in curves[j]),
                 image_share=None if image_share is None else image_share[index],
                 scorer_curve=None if scorer_curves is None else tuple(float(v) for v in scorer_curves[j]),
+                loss_curve=None if losses is None else tuple(float(v) for v in loss_curves[losses.layers.index(index)]),
             )
         )
     return Profile(
@@ -95,6 +112,7 @@ def build_profile(
         layers=tuple(layers),
         kvtool_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        loss_ratios=None if losses is None else losses.ratios,
     )
 
 

@@ -47,6 +47,11 @@ LONG_REFERENCE_TOKENS = 256
 # (ROUGE-L 0.575 against 0.627, needles 0.673 against 0.788): it is the ladder's next rung instead.
 DEFAULT_DRAFT = Draft(tokens=32, rounds=2, verify=True)
 DEFAULT_MAX_PROMPT_OVERHEAD = 4.0
+# The reference tokens each layer's loss is measured on (the `measured` ratio source,
+# `calibrate.layer_loss`): on SmolLM2 curves from 32-token references kept about two thirds of the
+# 96-token ones' gain over uniform ratios at half the cost (docs/results.md, "Layer budgets from
+# measured loss (stop 63)").
+LAYER_LOSS_TOKENS = 32
 # Merge modes the D search also tries: Elastic Cache's bucket mean and plain eviction (PrefixKV).
 DEFAULT_MERGE_MODES = ("position", "none")
 
@@ -97,6 +102,9 @@ class CalibrateConfig:
     budget_tokens: int = DEFAULT_BUDGET_TOKENS
     # None: DEFAULT_LONG_PROMPT_TOKENS on hybrid models, the prompts as they are elsewhere.
     long_prompt_tokens: int | None = None
+    # The references' first tokens each layer's loss is measured on, when a recipe may take its
+    # ratios from measured loss (`calibrate.layer_loss`).
+    layer_loss_tokens: int = LAYER_LOSS_TOKENS
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -133,6 +141,10 @@ class CalibrateConfig:
             raise KvtoolError(f"long-prompt-tokens must be a positive integer, got {self.long_prompt_tokens!r}")
         if self.reference_tokens < 1 or self.long_reference_tokens < 1 or self.batch_size < 1:
             raise KvtoolError("reference tokens and batch size must be at least 1")
+        if isinstance(self.layer_loss_tokens, bool) or not isinstance(self.layer_loss_tokens, int) or self.layer_loss_tokens < 2:
+            raise KvtoolError(f"layer-loss tokens must be an integer >= 2 (the first reference token is the prompt's), got {self.layer_loss_tokens!r}")
+        if method.ratios == "measured" and not candidates:
+            raise KvtoolError("ratios from measured loss need the references calibration scores recipes on: leave the D candidates on")
         return CalibrateConfig(
             samples=samples,
             seed=self.seed,
@@ -148,6 +160,7 @@ class CalibrateConfig:
             max_prompt_overhead=None if limit is None else float(limit),
             budget_tokens=self.budget_tokens,
             long_prompt_tokens=self.long_prompt_tokens,
+            layer_loss_tokens=self.layer_loss_tokens,
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

@@ -52,6 +52,7 @@ def replay(profile: Profile, *, per_pass: int, retry_within: float | None) -> Re
         evictions=tuple(e for e in EVICT_RULES if e in rules) or (profile.method.eviction,),
         selections=tuple(s for s in SEARCH_SELECTIONS if s in reached) or (profile.method.selection,),
         scorers=tuple(s for s in SearchSpace().scorers if s in tried),
+        ratio_sources=tuple(r for r in SearchSpace().ratio_sources if r in {t.ratios for t in info.recipes}),
         heads=tuple(dict.fromkeys(t.heads for t in info.recipes)),
     )
     missing = []

@@ -19,11 +19,12 @@ import numpy as np
 
 from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import check_budget
-from kvtool.calibrate.build import allocate, build_profile, uniform, with_calibration, with_method
+from kvtool.calibrate.build import allocate, build_profile, by_loss, uniform, with_calibration, with_method
 from kvtool.calibrate.config import (
     DEFAULT_LONG_PROMPT_TOKENS, DEFAULT_SAMPLES, HYBRID_SAMPLES, LONG_ANSWER_KIND, CalibrateConfig,
 )
 from kvtool.calibrate.cost import affordable_draft
+from kvtool.calibrate.layer_loss import LayerLosses, measurable, measure_layer_losses
 from kvtool.calibrate.passes import (
     STAGE_QUERIES, Progress, _Counter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
 )
@@ -63,6 +64,9 @@ class CalibrationResult:
     recipes: ChosenRecipe | None = None
     # Hybrid models: the sliding windows tried and the split shipped (calibrate.windows); None elsewhere.
     windows: WindowChoice | None = None
+    # Each compressing layer's measured loss (calibrate.layer_loss), when a recipe could take its
+    # ratios from it; None otherwise.
+    losses: LayerLosses | None = None
 
 
 def queried(settings: MethodSettings) -> bool:
@@ -174,11 +178,19 @@ def calibrate(
         raise KvtoolError(reason)
     if reason is not None and space is not None:  # the search tries every rule this model can run
         space = replace(space, scorers=runnable, evictions=tuple(e for e in space.evictions if not EVICT_RULES[e].needs_queries))
+    # Ratios from measured loss: measured on the choosing prompts when the method or the search may use them.
+    why_not = measurable(loaded.model)
+    if why_not is not None and method.ratios == "measured":
+        raise KvtoolError(why_not)
+    if space is not None and (why_not is not None or not config.candidates):
+        space = replace(space, ratio_sources=tuple(r for r in space.ratio_sources if r != "measured") or (method.ratios,))
+    by_measured_loss = method.ratios == "measured" or (space is not None and "measured" in space.ratio_sources)
     if space is not None and fingerprint_of(loaded.model).num_kv_heads == 1:
         # One KV head: per-head entries are the shared ones (Gemma 3 270M's per-head trials measured
         # the shared ones' PPLs to the last digit), so the heads stage would measure them again.
         space = replace(space, heads=(method.heads,))
     batches, answers, lengths = encode_halves(loaded, choosing, confirming, config)
+    split = len([b for b in batches if b.rows[0] < len(choosing)])  # the batches that choose
 
     # Statistics under every scorer the search may reach (window: each window and pool width, the
     # seeds' own, e.g. TOVA's one row), and always attention-sum's: PrefixKV's ratios and the
@@ -207,6 +219,12 @@ def calibrate(
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
     allocated = {key: allocate(stats, budget) for key, stats in measured.stats_by_scorer.items()}
+    losses = None
+    if by_measured_loss:
+        losses = measure_layer_losses(
+            loaded.model, measured.states[:split], method, importance.layers, tokens=config.layer_loss_tokens, progress=report
+        )
+        allocated["measured"] = by_loss(losses, budget)
 
     def curves_of(settings: MethodSettings) -> str:
         """Whose Lorenz curves give `settings`' ratios (uniform ratios report attention-sum's)."""
@@ -214,22 +232,28 @@ def calibrate(
 
     draft = config.draft
 
+    def ratios_of(settings: MethodSettings):
+        """The `Allocated` ratios `settings`' ratio source gives."""
+        if settings.ratios == "uniform":
+            return uniform(allocated["attention-sum"], budget)
+        return allocated["measured" if settings.ratios == "measured" else curves_of(settings)]
+
     def profile_for(settings: MethodSettings) -> Profile:
         """The profile of `settings` with the ratios its `ratios` source gives (and the run's draft)."""
         settings = replace(settings, draft=draft)
         source = curves_of(settings)
-        ratios = uniform(allocated["attention-sum"], budget) if settings.ratios == "uniform" else allocated[source]
+        ratios = ratios_of(settings)
         kept = dict(zip(importance.layers, ratios.allocation.ratios))
         built = build_profile(
             fingerprint, budget, settings, importance, ratios,
             kept_image_share(measured.images, kept, settings),
             scorer_stats=measured.stats_by_scorer[source] if source != "attention-sum" else None,
+            losses=losses if settings.ratios == "measured" else None,
         )
         return replace(built, query_stats=queries)
 
     truncation, merge_ppl, recipes = None, {}, None
     if space is not None:
-        split = len([b for b in batches if b.rows[0] < len(choosing)])
         recipes = choose_recipe(
             loaded.model, method, space, profile_for, measured.states[:split], measured.states[split:], report,
             with_draft=config.draft_stage,
@@ -247,7 +271,6 @@ def calibrate(
         profile = profile_for(method)
     windows = None
     if hybrid:
-        split = len([b for b in batches if b.rows[0] < len(choosing)])
         windows = choose_windows(
             loaded.model, profile, budget, config.budget_tokens, measured.states[:split], measured.states[split:], report
         )
@@ -259,7 +282,8 @@ def calibrate(
     seconds = time.perf_counter() - started
     source = curves_of(profile.method)
     chosen_stats = measured.stats_by_scorer[source]
-    allocation = allocated[source].allocation
+    shipped = allocated["measured" if profile.method.ratios == "measured" else source]
+    allocation = shipped.allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
     profile = replace(profile, calibration=replace(
         profile.calibration, prompt_overhead=round(costs[-1].ratio, 3), max_prompt_overhead=config.max_prompt_overhead,
@@ -273,7 +297,7 @@ def calibrate(
         profile=profile,
         stats=chosen_stats,
         allocation=allocation,
-        per_sample_ratios=allocated[source].per_sample,
+        per_sample_ratios=shipped.per_sample,
         truncation=truncation,
         samples=chosen,
         seconds=seconds,
@@ -281,4 +305,5 @@ def calibrate(
         merge_ppl=merge_ppl,
         recipes=recipes,
         windows=windows,
+        losses=losses,
     )

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvtool.profiles.allocation import Allocation, solve_retention
 from kvtool.errors import KvtoolError
+from kvtool.profiles.loss_budget import solve_by_loss
 from kvtool.profiles.schema import Profile
 
 # No layer goes below this kept fraction (or the budget, if smaller): a layer whose importance
@@ -51,8 +52,9 @@ def rebudget(
     layers' mean ratio is `budget`; a hybrid profile's whole cache goes through `whole_cache.rebudget`).
 
     The curves are the profile's scorer's (`scorer_curve` where the layers have one, else
-    `priority_curve`); `importance_curves` solves on the attention-sum curves (`priority_curve`,
-    PrefixKV's) instead and drops the scorer's. Measurements tied to the old budget (spread across
+    `priority_curve`), or for the `measured` ratio source each layer's `loss_curve`;
+    `importance_curves` solves on the attention-sum curves (`priority_curve`, PrefixKV's) instead and
+    drops the scorer's. Measurements tied to the old budget (spread across
     samples, PPLs) are dropped rather than carried over as if they held for the new one;
     `retention_p` is the new level.
     """
@@ -60,6 +62,8 @@ def rebudget(
     compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
     if profile.method.ratios == "uniform" and not importance_curves:
         return _uniform(profile, new_budget, compress)
+    if profile.method.ratios == "measured" and not importance_curves:
+        return _measured(profile, new_budget, compress, source)
     use_scorer = not importance_curves and any(profile.layers[i].scorer_curve for i in compress)
     curve_of = (lambda layer: layer.scorer_curve) if use_scorer else (lambda layer: layer.priority_curve)
     missing = [i for i in compress if not curve_of(profile.layers[i])]
@@ -98,6 +102,30 @@ def _uniform(profile: Profile, budget: float, compress: list[int]) -> tuple[Prof
         layers[i] = dataclasses.replace(layers[i], ratio=budget, ratio_std=None, image_share=None)
     calibration = _at_new_budget(profile.calibration, None)
     allocation = Allocation(p=float("nan"), ratios=np.full(len(compress), budget), iterations=0)
+    return dataclasses.replace(profile, budget=budget, layers=tuple(layers), calibration=calibration), allocation
+
+
+def _measured(profile: Profile, budget: float, compress: list[int], source: str) -> tuple[Profile, Allocation]:
+    """A profile whose ratios come from its layers' measured loss curves, at another budget."""
+    if not compress:
+        raise KvtoolError(f"{source}: no layer is compressed, so there is nothing to re-budget")
+    points = profile.loss_ratios
+    missing = [i for i in compress if not profile.layers[i].loss_curve]
+    if not points or missing:
+        raise KvtoolError(
+            f"{source}: its ratios come from measured loss, but {'the measured fractions are' if not points else f'layer {missing[0]} has no loss curve'} "
+            f"missing; calibrate for budget {budget:g} instead (kvtool calibrate MODEL --budget {budget:g})"
+        )
+    bad = [i for i in compress if len(profile.layers[i].loss_curve) != len(points)]
+    if bad:
+        raise KvtoolError(f"{source}: layer {bad[0]}'s loss curve has {len(profile.layers[bad[0]].loss_curve)} points, not one per measured fraction ({len(points)})")
+    curves = np.array([profile.layers[i].loss_curve for i in compress], dtype=np.float64)
+    ratios = solve_by_loss(curves, tuple(points), budget)
+    layers = list(profile.layers)
+    for i, ratio in zip(compress, ratios):
+        layers[i] = dataclasses.replace(layers[i], ratio=float(ratio), ratio_std=None, image_share=None)
+    calibration = _at_new_budget(profile.calibration, None)
+    allocation = Allocation(p=float("nan"), ratios=ratios, iterations=0)
     return dataclasses.replace(profile, budget=budget, layers=tuple(layers), calibration=calibration), allocation
 
 

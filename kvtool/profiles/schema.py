@@ -31,8 +31,9 @@ QUERY_SCORERS = ("expected-attention", "expected-output", "triattention")
 WINDOW_SCORERS = ("window", "union")
 HEAD_MODES = ("shared", "per-head")
 # Where the per-layer ratios come from: the Lorenz curves of the profile's scorer, PrefixKV's
-# attention-sum curves whatever the scorer, or the budget in every layer.
-RATIO_SOURCES = ("scorer", "attention-sum", "uniform")
+# attention-sum curves whatever the scorer, the budget in every layer, or each layer's measured loss
+# (`kvtool.profiles.loss_budget`).
+RATIO_SOURCES = ("scorer", "attention-sum", "uniform", "measured")
 
 # Field constraints several fields share.
 _KEPT_FRACTION = rule(low=0, high=1, open_low=True)
@@ -173,6 +174,12 @@ class LayerProfile:
     scorer_curve: tuple[float, ...] | None = field(
         default=None, metadata=rule(low=0, high=1, increasing=True, flow=True, digits=6, omit_none=True)
     )
+    # The rise of the references' NLL per token when this layer alone keeps each of
+    # `Profile.loss_ratios` of its prompt entries (the `measured` ratio source solves on it).
+    # Left out of the file when None.
+    loss_curve: tuple[float, ...] | None = field(
+        default=None, metadata=rule(low=0, flow=True, digits=6, omit_none=True)
+    )
     # A window-shaped layer (a sliding-window layer given a shorter window): it keeps at most `window`
     # entries, its first `sinks` tokens and the most recent ones, at any length; `ratio` is then 1.
     # Left out of the file when None (the layer keeps what its ratio, or the model, says).
@@ -307,6 +314,12 @@ class Profile:
     budget_tokens: int | None = field(default=None, kw_only=True, metadata=rule(low=1, omit_none=True))
     # The per-head query statistics the expected-attention scorer reads; left out of the file when None.
     queries: QueriesFile | None = field(default=None, kw_only=True, metadata=rule(omit_none=True, flow=True))
+    # The kept fractions at which each layer's `loss_curve` was measured (the `measured` ratio source);
+    # left out of the file when no loss was measured.
+    loss_ratios: tuple[float, ...] | None = field(
+        default=None, kw_only=True,
+        metadata=rule(low=0, high=1, open_low=True, increasing=True, flow=True, omit_none=True),
+    )
     # Listed in order, each entry stating its position (a check against hand edits).
     layers: tuple[LayerProfile, ...] = field(metadata=rule(per_layer=True, index_key="layer"))
     # The statistics `queries` names (a kvtool.profiles.queries.QueryStats), loaded with the file.

@@ -137,8 +137,8 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
         # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
         base_method = calibrated.method
         own = (
-            budget == calibrated.budget and base_method.ratios != "uniform"
-            and (base_method.scorer == "attention-sum" or base_method.ratios == "attention-sum")
+            budget == calibrated.budget
+            and (base_method.ratios == "attention-sum" or (base_method.ratios == "scorer" and base_method.scorer == "attention-sum"))
         )
         profile = calibrated if own else rebudget(calibrated, budget, source=name, importance_curves=True)[0]
     else:

@@ -1,0 +1,195 @@
+"""The `measured` ratio source: the allocation by measured loss against a brute force, its re-budgeting,
+and calibration's layer-loss measurement (`kvtool.calibrate.layer_loss`) against independent
+computations: the scores against eager attention's probabilities, the masked reference against
+head_budgets' one-forward probe (itself checked against a float64 loop), the layer skip against a
+whole forward, and nothing masked against the model's own logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from kvtool.calibrate import layer_loss
+from kvtool.calibrate.layer_loss import WINDOW, POOL, _Attention, _Layers, keep_mask, measure_layer_losses, nll_per_token
+from kvtool.errors import KvtoolError
+from kvtool.profiles import MethodSettings
+from kvtool.profiles.budget import rebudget
+from kvtool.profiles.loss_budget import clean_curves, interpolate, solve_by_loss
+from kvtool.runtime.importance.union import rank_share
+from tiny_models import left_pad, profile_with, prompts, tiny_gemma3, tiny_llama
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_allocation_is_the_least_loss_of_every_split():
+    rng = np.random.default_rng(4)
+    ratios = (0.1, 0.2, 0.4)
+    grid = np.round(np.arange(0.1, 1.05, 0.1), 6)
+    for _ in range(5):
+        curves = clean_curves(rng.gamma(1.0, 1.0, size=(3, 3)) * rng.uniform(0.1, 3, size=(3, 1)))
+        got = solve_by_loss(curves, ratios, budget=0.3, step=0.1)
+        cost = lambda alloc: sum(interpolate(curves[i], ratios, np.array([r]))[0] for i, r in enumerate(alloc))  # noqa: E731
+        splits = [s for s in itertools.product(grid, repeat=3) if abs(sum(s) - 0.9) < 1e-9]
+        assert sum(got) == pytest.approx(0.9, abs=1e-9)
+        assert cost(got) == pytest.approx(min(cost(s) for s in splits), abs=1e-12)
+
+
+def test_allocation_holds_any_budget_exactly():
+    curves = clean_curves(np.random.default_rng(0).uniform(0, 0.2, size=(7, 4)))
+    for budget in (0.03, 0.05, 0.125, 0.2, 0.37, 1.0):
+        got = solve_by_loss(curves, (0.05, 0.1, 0.2, 0.4), budget)
+        assert got.mean() == pytest.approx(budget, abs=1e-12)
+        assert got.min() >= min(0.05, budget) - 1e-12 and got.max() <= 1.0
+
+
+def test_loss_curves_never_rise_with_the_ratio_and_stay_at_least_zero():
+    curves = clean_curves(np.array([[0.5, 0.7, -0.1], [0.2, 0.1, 0.05]]))
+    np.testing.assert_allclose(curves, [[0.7, 0.7, 0.0], [0.2, 0.1, 0.05]])
+
+
+def _measured_profile(model, budget=0.3):
+    curves = [(0.30, 0.10, 0.02), (0.01, 0.0, 0.0), (0.05, 0.04, 0.03)]
+    profile = profile_with(model, budget)
+    profile = dataclasses.replace(profile, method=dataclasses.replace(profile.method, ratios="measured"))
+    layers = tuple(dataclasses.replace(layer, loss_curve=curve) for layer, curve in zip(profile.layers, curves))
+    return dataclasses.replace(profile, layers=layers, loss_ratios=(0.1, 0.2, 0.4))
+
+
+def test_a_measured_profile_rebudgets_from_its_loss_curves(tmp_path):
+    from kvtool.profiles import read_profile, save_profile
+
+    model = tiny_llama()
+    profile = _measured_profile(model)
+    save_profile(profile, tmp_path / "p.yaml")
+    loaded = read_profile(tmp_path / "p.yaml")
+    assert loaded.loss_ratios == (0.1, 0.2, 0.4) and loaded.layers[0].loss_curve == (0.3, 0.1, 0.02)
+    for budget in (0.15, 0.3, 0.5):
+        updated, _ = rebudget(loaded, budget)
+        curves = np.array([layer.loss_curve for layer in loaded.layers])
+        np.testing.assert_allclose(updated.ratios, solve_by_loss(curves, (0.1, 0.2, 0.4), budget))
+        assert updated.ratios[0] > updated.ratios[1]  # the layer that loses most keeps most
+    broken = dataclasses.replace(profile, loss_ratios=None)
+    with pytest.raises(KvtoolError, match="measured loss"):
+        rebudget(broken, 0.2)
+
+
+def _load_head_budgets():
+    spec = importlib.util.spec_from_file_location("head_budgets_for_layer_loss", BENCHMARKS / "head_budgets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _union(probs: torch.Tensor, group: int) -> torch.Tensor:
+    """[Hkv, n] the union ranks from a layer's [1, Hq, n, n] probabilities (float64, by hand)."""
+    n = probs.shape[-1]
+    per_kv = probs[0].double().view(-1, group, n, n)
+    sums = per_kv.sum(dim=2).mean(dim=1)
+    window = per_kv[:, :, -WINDOW:, :].sum(dim=2).mean(dim=1)
+    pooled = torch.stack([window[:, max(0, j - POOL // 2) : j + POOL // 2 + 1].max(dim=1).values for j in range(n)], dim=1)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    return torch.maximum(rank_share(sums[None], valid), rank_share(pooled[None], valid))[0]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3])
+def test_masked_reference_matches_independent_computations(build):
+    model = build()
+    config = model.config
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    full_layers = [i for i, k in enumerate(kinds) if k == "full_attention"]
+    windows = {i: config.sliding_window for i, k in enumerate(kinds) if k == "sliding_attention"}
+    ids = prompts([26])[0]
+    n, ref = 20, ids[20:]
+    plain = model(ids[None]).logits[:, n:]
+    model.set_attn_implementation("eager")
+    eager = model(ids[None, :n], output_attentions=True).attentions
+    attention = _Attention(full_layers, windows)
+    AttentionInterface.register("layer_loss_test", attention)
+    heads = _load_head_budgets()
+    one = heads.Probe()
+    AttentionInterface.register("layer_loss_test_one", one)
+    runner = _Layers(model)
+    try:
+        torch.set_grad_enabled(False)
+        model.set_attn_implementation("layer_loss_test")
+        model(ids[None, :n], use_cache=False)
+        group = config.num_attention_heads // config.num_key_value_heads
+        for layer in full_layers:
+            torch.testing.assert_close(attention.scores[layer].double(), _union(eager[layer], group))
+        attention.mode, attention.keep = "mask", {}
+        positions = torch.arange(n, len(ids))[None]
+        whole = runner.record(input_ids=ref[None], position_ids=positions, use_cache=False)
+        torch.testing.assert_close(whole, plain)  # nothing masked: the model's own logits, positions and windows
+        for first in range(config.num_hidden_layers):
+            torch.testing.assert_close(runner.from_layer(first), whole)
+        method = MethodSettings(sink_tokens=2, recent_window=3)
+        for layer in full_layers:
+            keep = keep_mask(attention.scores[layer], 0.3, method)
+            assert keep[:, :2].all() and keep[:, -3:].all() and int(keep.sum()) == keep.shape[0] * 6
+            attention.keep = {layer: keep}
+            skipped = runner.from_layer(layer)
+            torch.testing.assert_close(skipped, runner.record(input_ids=ref[None], position_ids=positions, use_cache=False))
+            if not windows:  # the one-forward probe knows no sliding windows
+                model.set_attn_implementation("layer_loss_test_one")
+                one.mode, one.prompt_len = "mask", n
+                one.keep = {i: keep if i == layer else torch.ones_like(keep) for i in range(config.num_hidden_layers)}
+                expected = model(ids[None]).logits[:, n:]
+                model.set_attn_implementation("layer_loss_test")
+                assert nll_per_token(skipped, ref) == pytest.approx(nll_per_token(expected, ref), abs=1e-9)
+            assert nll_per_token(skipped, ref) != pytest.approx(nll_per_token(whole, ref), abs=1e-6)
+            attention.keep = {}
+            runner.record(input_ids=ref[None], position_ids=positions, use_cache=False)  # the unmasked inputs again
+    finally:
+        torch.set_grad_enabled(True)
+        model.set_attn_implementation("sdpa")
+
+
+@torch.no_grad()
+def test_measurement_over_padded_batches_gives_each_layer_its_curve():
+    model = tiny_llama()
+    seqs = prompts([24, 30], seed=3)
+    prompts_only = [s[:-6] for s in seqs]
+    batch = SimpleNamespace(**left_pad(prompts_only), extras={})
+    tokens = torch.stack([s[-6:] for s in seqs])
+    scored = torch.ones_like(tokens, dtype=torch.bool)
+    scored[0, 4:] = False  # a shorter reference: its scored tokens alone
+    state = SimpleNamespace(batch=batch, references=SimpleNamespace(tokens=tokens, scored=scored))
+    method = MethodSettings(sink_tokens=2, recent_window=3)
+    losses = measure_layer_losses(model, [state], method, [0, 2], ratios=(0.2, 0.5), tokens=5)
+    assert losses.deltas.shape == (2, 2, 2)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    # Each delta is the masked reference's NLL minus the full one's, computed here without the layer skip.
+    attention = _Attention([0, 2], {})
+    AttentionInterface.register("layer_loss_test_again", attention)
+    runner = _Layers(model)
+    try:
+        model.set_attn_implementation("layer_loss_test_again")
+        for row, (prompt, seq) in enumerate(zip(prompts_only, seqs)):
+            ref = seq[-6:][: 4 if row == 0 else 5]
+            attention.mode = "score"
+            model(prompt[None], use_cache=False)
+            attention.mode, attention.keep = "mask", {}
+            positions = torch.arange(len(prompt), len(prompt) + len(ref))[None]
+            base = nll_per_token(runner.record(input_ids=ref[None], position_ids=positions, use_cache=False), ref)
+            assert losses.full_nll[row] == pytest.approx(base, abs=1e-12)
+            for j, layer in enumerate([0, 2]):
+                for r, ratio in enumerate((0.2, 0.5)):
+                    attention.keep = {layer: keep_mask(attention.scores[layer], ratio, method)}
+                    got = nll_per_token(runner.record(input_ids=ref[None], position_ids=positions, use_cache=False), ref)
+                    assert losses.deltas[row, j, r] == pytest.approx(got - base, abs=1e-9)
+    finally:
+        model.set_attn_implementation("sdpa")
+    np.testing.assert_allclose(losses.curves, clean_curves(losses.deltas.mean(axis=0)))
+
+
+def test_text_models_only():
+    assert layer_loss.measurable(tiny_llama()) is None
