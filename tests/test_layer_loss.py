@@ -193,3 +193,42 @@ def test_measurement_over_padded_batches_gives_each_layer_its_curve():
 
 def test_text_models_only():
     assert layer_loss.measurable(tiny_llama()) is None
+
+
+def test_inspect_gini_shows_each_layers_measured_loss(tmp_path, monkeypatch, capsys):
+    import json
+
+    from cli_runner import run
+    from kvtool.profiles import save_profile
+
+    profile = _measured_profile(tiny_llama())
+    path = save_profile(profile, tmp_path / "p.yaml")
+    code, stdout, stderr = run(monkeypatch, capsys, "inspect", "gini", str(path), "--json")
+    assert code == 0, stderr
+    losses = [layer["loss"] for layer in json.loads(stdout)["layers"]]
+    # At ratio 0.3, halfway between the measured 0.2 and 0.4.
+    assert losses == pytest.approx([0.06, 0.0, 0.035])
+    code, stdout, _ = run(monkeypatch, capsys, "inspect", "gini", str(path))
+    assert code == 0 and "Loss" in stdout and "+0.060" in stdout
+
+
+def test_calibration_ships_ratios_from_measured_loss(tmp_path):
+    from test_calibrate import FAST, loaded, word_prompts
+
+    from kvtool.calibrate.runner import calibrate
+    from kvtool.profiles import read_profile
+
+    model = loaded(tiny_llama(dtype=torch.float32, layers=3, seed=3))
+    method = MethodSettings(ratios="measured")
+    run = calibrate(model, 0.3, data=word_prompts(4), out=tmp_path / "p.yaml", samples=4, method=method, **FAST)
+    profile = read_profile(tmp_path / "p.yaml")
+    assert profile.method.ratios == "measured" and profile.loss_ratios == run.losses.ratios
+    assert run.losses.deltas.shape == (4, 3, 4)  # every prompt, layer and ratio
+    curves = np.array([layer.loss_curve for layer in profile.layers])
+    np.testing.assert_allclose(curves, run.losses.curves, atol=1e-6)  # as written, 6 digits
+    np.testing.assert_allclose(profile.ratios, solve_by_loss(run.losses.curves, run.losses.ratios, 0.3))
+    assert np.mean(profile.ratios) == pytest.approx(0.3, abs=1e-9)
+    at_half, _ = rebudget(profile, 0.5)
+    np.testing.assert_allclose(at_half.ratios, solve_by_loss(curves, profile.loss_ratios, 0.5))
+    with pytest.raises(KvtoolError, match="measured loss"):
+        calibrate(model, 0.3, data=word_prompts(4), samples=4, method=method, **{**FAST, "candidates": ()})

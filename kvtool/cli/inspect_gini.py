@@ -14,6 +14,7 @@ from rich.text import Text
 from kvtool.cli.app import inspect_app
 from kvtool.cli.inspect_cmd import ratio_bar
 from kvtool.profiles import Profile, read_profile
+from kvtool.profiles.loss_budget import interpolate
 
 _PROFILE_SUFFIXES = (".yaml", ".yml")
 _MISSING = "—"
@@ -30,11 +31,19 @@ def has_image_share(profile: Profile) -> bool:
     return any(layer.image_share is not None for layer in profile.layers)
 
 
+def layer_loss(profile: Profile, layer) -> float | None:
+    """The measured rise of NLL per token were this layer alone to keep its ratio (None unmeasured)."""
+    if layer.loss_curve is None or not profile.loss_ratios or not layer.compress:
+        return None
+    return float(interpolate(layer.loss_curve, profile.loss_ratios, [layer.ratio])[0])
+
+
 def gini_json(profile: Profile) -> dict[str, Any]:
     """The `--json` contract other tools read: keep these keys stable.
 
     Calibrations with images add `image_share` to every layer (null where kvtool leaves the layer
-    alone): the mean share of the layer's kept prompt entries that are image tokens.
+    alone): the mean share of the layer's kept prompt entries that are image tokens. Profiles whose
+    ratios come from measured loss add `loss` (`layer_loss`).
     """
     info = profile.calibration
     images = has_image_share(profile)
@@ -43,6 +52,8 @@ def gini_json(profile: Profile) -> dict[str, Any]:
         entry = {"layer": i, "ratio": layer.ratio, "gini": layer.gini, "ratio_std": layer.ratio_std}
         if images:
             entry["image_share"] = layer.image_share
+        if profile.loss_ratios:
+            entry["loss"] = layer_loss(profile, layer)
         layers.append(entry)
     return {
         "budget": profile.budget,
@@ -65,6 +76,8 @@ def gini_table(profile: Profile, title: str) -> Table:
     bar = (_IMAGE_BAR_WIDTH,) if images else ()
     if images:
         table.add_column("Image", justify="right", no_wrap=True)
+    if profile.loss_ratios:
+        table.add_column("Loss", justify="right")
     for index, layer in enumerate(profile.layers):
         gini = _MISSING if layer.gini is None else f"{layer.gini:.3f}"
         gini_bar = "" if layer.gini is None else ratio_bar(layer.gini, *bar)
@@ -79,6 +92,9 @@ def gini_table(profile: Profile, title: str) -> Table:
         ]
         if images:
             cells.append(_MISSING if layer.image_share is None else f"{layer.image_share:.1%}")
+        if profile.loss_ratios:
+            loss = layer_loss(profile, layer)
+            cells.append(_MISSING if loss is None else f"+{loss:.3f}")
         table.add_row(*cells, style=None if layer.compress else "dim")
     return table
 
@@ -93,6 +109,8 @@ def _caption(profile: Profile) -> str:
         parts.append(f"{info.samples} samples")
     if has_image_share(profile):
         parts.append("Image = share of kept prompt entries that are image tokens (prompts with images)")
+    if profile.loss_ratios:
+        parts.append("Loss = measured rise of NLL per token were the layer alone to keep its ratio")
     return " · ".join(parts)
 
 
