@@ -60,8 +60,9 @@ class LayerLosses:
 class _Attention:
     """The attention function of the measurement. 'score': a prompt forward without a cache; each
     layer's keys and values are kept, and the measured layers' per-head union scores recorded. 'mask':
-    rows after that prompt (the reference, run without a cache), which see the kept prompt plus the
-    reference up to themselves; in each layer of `keep` only its kept prompt columns ([Hkv, n])."""
+    rows after that prompt (the reference, run without a cache), which see the prompt plus the
+    reference up to themselves; in each layer of `keep` only its kept prompt columns: [Hkv, n], or
+    [B, Hkv, n] for a batch of B variants of the reference (one mask each)."""
 
     def __init__(self, measured: Sequence[int], windows: dict[int, int]) -> None:
         self.measured = set(measured)
@@ -82,24 +83,26 @@ class _Attention:
         return allowed
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        layer, hq, rows = module.layer_idx, query.shape[1], query.shape[2]
-        group = hq // key.shape[1]
+        batch, hq, rows = query.shape[:3]
+        layer, group = module.layer_idx, hq // key.shape[1]
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         if self.mode == "score":
             self.keys[layer], self.values[layer] = key, value
             first = 0
         else:
-            key = torch.cat([self.keys[layer], key], dim=2)
-            value = torch.cat([self.values[layer], value], dim=2)
+            key = torch.cat([self.keys[layer].expand(batch, -1, -1, -1), key], dim=2)
+            value = torch.cat([self.values[layer].expand(batch, -1, -1, -1), value], dim=2)
             first = key.shape[2] - rows
-        allowed = self.allowed(layer, first, rows, key.shape[2], query.device).expand(hq, rows, key.shape[2])
+        allowed = self.allowed(layer, first, rows, key.shape[2], query.device).expand(batch, hq, rows, key.shape[2])
         if self.mode == "mask" and layer in self.keep:
+            keep = self.keep[layer]
+            keep = keep[None] if keep.dim() == 2 else keep
             allowed = allowed.clone()
-            allowed[:, :, :first] &= self.keep[layer].repeat_interleave(group, dim=0)[:, None, :]
+            allowed[..., :first] &= keep.repeat_interleave(group, dim=1)[:, :, None, :]
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         if self.mode == "score" and layer in self.measured:
             logits = (query @ key.transpose(-1, -2)) * scaling
-            probs = torch.softmax(logits.masked_fill(~allowed[None], float("-inf")), dim=-1)
+            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
             per_kv = probs[0].float().view(-1, group, rows, rows)
             sums = per_kv.sum(dim=2).mean(dim=1)  # [Hkv, n]
             window = per_kv[:, :, -WINDOW:, :].sum(dim=2).mean(dim=1)
@@ -108,7 +111,7 @@ class _Attention:
             self.scores[layer] = torch.maximum(rank_share(sums[None], valid), rank_share(window[None], valid))[0]
             out = probs @ value
         else:
-            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed[None], scale=scaling)
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -155,9 +158,10 @@ class _Layers:
             for handle in handles:
                 handle.remove()
 
-    def from_layer(self, first: int) -> torch.Tensor:
-        """The logits when the layers from `first` up run again on the recorded input of `first`."""
-        hidden = self.inputs[first]
+    def from_layer(self, first: int, batch: int = 1) -> torch.Tensor:
+        """The logits when the layers from `first` up run again on the recorded input of `first`
+        (`batch` copies of it side by side: [batch, m, V])."""
+        hidden = self.inputs[first].expand(batch, -1, -1)
         for index in range(first, len(self.layers)):
             args, kwargs = self.calls[index]
             hidden = self.layers[index](hidden, *args, **kwargs)
@@ -168,10 +172,13 @@ class _Layers:
         return logits
 
 
-def nll_per_token(logits: torch.Tensor, reference: torch.Tensor) -> float:
+def nll_per_token(logits: torch.Tensor, reference: torch.Tensor) -> float | list[float]:
     """The reference's NLL per token after its first (whose logits are the prompt's last row's, the
-    same under every variant); logits [1, m, V] of the reference's own rows."""
-    return float(-torch.log_softmax(logits[0, :-1].double(), dim=-1).gather(1, reference[1:, None])[:, 0].mean())
+    same under every variant); logits [B, m, V] of the reference's own rows: a float for B = 1,
+    else one per row."""
+    target = reference[1:].expand(logits.shape[0], -1)
+    nll = -torch.log_softmax(logits[:, :-1].double(), dim=-1).gather(2, target[..., None])[..., 0].mean(dim=1)
+    return float(nll[0]) if len(nll) == 1 else nll.tolist()
 
 
 def measurable(model: Any) -> str | None:
@@ -236,11 +243,10 @@ def measure_layer_losses(
             base = nll_per_token(logits, ref)
             per_layer = []
             for layer in layers:
-                row = []
-                for ratio in ratios:
-                    attention.keep = {layer: keep_mask(attention.scores[layer], ratio, method)}
-                    row.append(nll_per_token(runner.from_layer(layer), ref) - base)
-                per_layer.append(row)
+                # Every ratio of a layer at once, as a batch (one row per ratio): the same sums, fewer calls.
+                attention.keep = {layer: torch.stack([keep_mask(attention.scores[layer], ratio, method) for ratio in ratios])}
+                nll = nll_per_token(runner.from_layer(layer, batch=len(ratios)), ref)
+                per_layer.append([v - base for v in (nll if isinstance(nll, list) else [nll])])
             deltas.append(per_layer)
             full.append(base)
             attention.keys.clear(), attention.values.clear(), attention.scores.clear()
