@@ -232,3 +232,25 @@ def test_calibration_ships_ratios_from_measured_loss(tmp_path):
     np.testing.assert_allclose(at_half.ratios, solve_by_loss(curves, profile.loss_ratios, 0.5))
     with pytest.raises(KvtoolError, match="measured loss"):
         calibrate(model, 0.3, data=word_prompts(4), samples=4, method=method, **{**FAST, "candidates": ()})
+
+
+def test_a_hybrid_model_measures_its_full_attention_layers_and_its_windows_rebudget_them():
+    from test_calibrate import loaded, word_prompts
+
+    from kvtool.calibrate.runner import calibrate
+    from kvtool.profiles import whole_cache
+
+    gemma = tiny_gemma3(dtype=torch.float32)
+    run = calibrate(
+        loaded(gemma), 0.3, data=word_prompts(6), samples=4, budget_tokens=160, long_prompt_tokens=120,
+        reference_tokens=6, candidates=(0,), draft=None, search=None, method=MethodSettings(ratios="measured"),
+    )
+    profile = run.profile
+    assert run.losses.layers == (1, 3)  # the full-attention layers, the ones the ratios share
+    full = [layer for layer in profile.layers if layer.compress]
+    assert [layer.loss_curve is not None for layer in profile.layers] == [False, True, False, True]
+    assert profile.method.ratios == "measured"
+    assert whole_cache.shares(profile)["all"] == pytest.approx(0.3, abs=0.01)
+    curves = np.array([layer.loss_curve for layer in full])
+    share = np.mean([layer.ratio for layer in full])
+    np.testing.assert_allclose([layer.ratio for layer in full], solve_by_loss(curves, profile.loss_ratios, share), atol=1e-9)
