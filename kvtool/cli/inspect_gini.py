@@ -72,8 +72,10 @@ def gini_table(profile: Profile, title: str) -> Table:
     table.add_column("", no_wrap=True)
     table.add_column("Spread", justify="right")
     images = has_image_share(profile)
-    # With the image column the bars are shorter, so the table still fits 80 columns.
-    bar = (_IMAGE_BAR_WIDTH,) if images else ()
+    # With the image or loss column the bars are shorter (shorter still with both), so the table
+    # still fits 80 columns.
+    extra = int(images) + int(bool(profile.loss_ratios))
+    bar = () if not extra else (_IMAGE_BAR_WIDTH if extra == 1 else _IMAGE_BAR_WIDTH - 3,)
     if images:
         table.add_column("Image", justify="right", no_wrap=True)
     if profile.loss_ratios:
