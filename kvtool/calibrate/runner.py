@@ -2,7 +2,8 @@
 
 The steps, in order: draw the prompts (spread over their kinds) and split them into the half that
 chooses and the half that confirms; the full pass (every scorer's statistics and the references,
-`passes.full_pass`); the ratios of each scorer (`build.allocate`); the recipe search on the
+`passes.full_pass`); the ratios of each scorer (`build.allocate`) and, when a recipe may take them,
+of each layer's measured loss on the choosing half (`layer_loss`, `build.by_loss`); the recipe search on the
 recorded prompt states and its confirmation (`search.choose_recipe`), or without a search the D x
 merge-mode tuning of the given recipe; the record of the run; the file.
 """
