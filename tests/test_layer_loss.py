@@ -254,3 +254,14 @@ def test_a_hybrid_model_measures_its_full_attention_layers_and_its_windows_rebud
     curves = np.array([layer.loss_curve for layer in full])
     share = np.mean([layer.ratio for layer in full])
     np.testing.assert_allclose([layer.ratio for layer in full], solve_by_loss(curves, profile.loss_ratios, share), atol=1e-9)
+
+
+def test_no_reference_to_measure_on_is_a_one_line_error():
+    tokens = torch.tensor([[5, 6]])
+    state = SimpleNamespace(
+        batch=SimpleNamespace(input_ids=torch.tensor([[7, 8, 9]]), attention_mask=torch.ones(1, 3), extras={}),
+        references=SimpleNamespace(tokens=tokens, scored=torch.tensor([[True, False]])),
+    )
+    with pytest.raises(KvtoolError, match="2 tokens or more") as err:
+        measure_layer_losses(tiny_llama(), [state], MethodSettings(), [0])
+    assert "\n" not in str(err.value)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
 from kvtool.profiles.loss_budget import LOSS_RATIOS, clean_curves
 from kvtool.runtime.importance.union import rank_share
@@ -220,7 +221,10 @@ def measure_layer_losses(
     started = time.perf_counter()
     rows = prompt_rows(states, tokens)
     if not rows:
-        raise ValueError("no choosing prompt has a text-only reference of two tokens or more to measure layer losses on")
+        raise KvtoolError(
+            "ratios from measured loss need a choosing prompt without images whose reference has 2 tokens or more; "
+            "leave them out with --space ratio_sources=scorer,attention-sum,uniform"
+        )
     config = model.config.get_text_config(decoder=True)
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     windows = {i: config.sliding_window for i, kind in enumerate(kinds) if kind == "sliding_attention"}
