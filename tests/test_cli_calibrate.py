@@ -55,8 +55,10 @@ def test_calibrate_writes_a_profile_and_summarises(
     assert code == 0, stderr
     profile = read_profile(out)
     assert profile.budget == 0.3 and profile.calibration.samples == 3 and profile.calibration.seed == 4
-    for heading in ("Per-layer KV budget", "Recipe search", "Recipe ", "Held out", "Retention p", "Calibration PPL", "Time"):
+    for heading in ("Per-layer KV budget", "Recipe search", "Recipe ", "Held out", "Calibration PPL", "Time"):
         assert heading in stdout
+    # PrefixKV's retention level, or where measured-loss ratios came from.
+    assert ("Retention p" in stdout) != (profile.method.ratios == "measured" and "measured loss on" in stdout)
     # One table row per recipe tried, exactly one marked chosen; the start is the papers' recipe.
     tried = profile.calibration.recipes
     assert len(re.findall(r"[0-9]\.[0-9]{3} \*", stdout)) == 1
@@ -376,3 +378,17 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
                            "--out", str(tmp_path / "q.yaml"))
         assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "q.yaml").exists()
 
+
+def test_calibrate_with_measured_ratios_says_where_they_came_from(
+    tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    out = tmp_path / "measured.yaml"
+    code, stdout, stderr = run(
+        monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.3", "--samples", "3",
+        "--data", str(data_file), "--out", str(out), "--space", "ratio_sources=measured",
+    )
+    assert code == 0, stderr
+    profile = read_profile(out)
+    assert profile.method.ratios == "measured" and all(layer.loss_curve for layer in profile.layers)
+    assert "measured loss on" in stdout and "Retention p" not in stdout and "nan" not in stdout
+    assert "layer loss" in stderr  # its progress bar

@@ -303,9 +303,12 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
         facts.add_row("Budget", whole_cache_phrase(profile))
     else:
         facts.add_row("Budget", f"keeps {profile.budget:.1%} of KV entries, mean kept ratio {_mean_ratio(profile):.4f}")
-    facts.add_row(
-        "Retention p", f"{result.allocation.p:.4f} (each compressed layer keeps at least this share of its importance)"
-    )
+    if profile.method.ratios == "measured":
+        facts.add_row("Ratios", f"from each layer's measured loss on {len(result.losses.deltas)} prompts (the Loss column of `kvtool inspect gini`)")
+    else:
+        facts.add_row(
+            "Retention p", f"{result.allocation.p:.4f} (each compressed layer keeps at least this share of its importance)"
+        )
     if tokens is not None:
         facts.add_row(
             "Samples",
