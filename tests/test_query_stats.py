@@ -51,6 +51,29 @@ def test_statistics_round_trip_beside_the_profile(tmp_path: Path) -> None:
     torch.testing.assert_close(loaded.query_stats.pair_norm, stats.pair_norm)
 
 
+def test_a_sidecar_has_the_same_bytes_however_safetensors_ordered_its_header(tmp_path: Path) -> None:
+    """safetensors writes its metadata in hash order, which changes from process to process: the
+    sidecar's header is written sorted, so the same statistics always get the same file and digest
+    (and a profile saved again names the same file)."""
+    import json
+
+    from kvtool.profiles.queries import _canonical
+
+    path, _ = saved(tmp_path)
+    data = sidecar_path(path).read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    assert list(header) == sorted(header) and list(header["__metadata__"]) == sorted(header["__metadata__"])
+    reordered = {key: (dict(reversed(value.items())) if key == "__metadata__" else value) for key, value in reversed(header.items())}
+    text = json.dumps(reordered).encode()
+    text += b" " * (-len(text) % 8)
+    scrambled = len(text).to_bytes(8, "little") + text + data[8 + size :]
+    assert scrambled != data and _canonical(scrambled) == data
+    again = save_profile(read_profile(path), tmp_path / "again.yaml")
+    assert sidecar_path(again).read_bytes() == data
+    assert yaml.safe_load(again.read_text())["queries"]["sha256"] == yaml.safe_load(path.read_text())["queries"]["sha256"]
+
+
 def test_statistics_without_pair_norms_still_load(tmp_path: Path) -> None:
     """A sidecar written before the pair norms were recorded loads with none (TriAttention then
     refuses in one line; the other rules read what is there)."""

@@ -240,7 +240,7 @@ def measure_layer_losses(
         for done, (ids, ref) in enumerate(rows, start=1):
             n, m = len(ids), len(ref)
             attention.mode = "score"
-            model(input_ids=ids[None], use_cache=False)
+            model(input_ids=ids[None], use_cache=False, logits_to_keep=1)  # only its keys, values and scores are read
             attention.mode, attention.keep = "mask", {}
             positions = torch.arange(n, n + m, device=ids.device)[None]
             logits = runner.record(input_ids=ref[None], position_ids=positions, use_cache=False)

@@ -93,9 +93,21 @@ def save_query_stats(stats: QueryStats, path: str | Path, *, heads: int, head_di
     metadata = {
         "layers": json.dumps(list(stats.layers)), "queries": str(stats.queries), "heads": str(heads), "head_dim": str(head_dim),
     }
-    data = save(tensors, metadata=metadata)
+    data = _canonical(save(tensors, metadata=metadata))
     write_bytes_atomic(path, data, what="query statistics")
     return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(data: bytes) -> bytes:
+    """`data` (a safetensors file) with its JSON header's keys sorted. safetensors writes the metadata
+    in hash order, which changes from process to process: the same statistics saved twice would get
+    two digests, and a profile saved again would name another file. The tensors' offsets count from
+    the end of the header, so a header of another length (padded to 8 bytes, as the format asks)
+    leaves them valid."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[8 + size :]
 
 
 def load_query_stats(path: str | Path, sha256: str, *, heads: int, head_dim: int, future: int) -> QueryStats:
