@@ -28,10 +28,6 @@ OUT=kvtool/profiles/builtin
 # against 0.714 with `importance` in the same profile (docs/results.md, "The stop-58 0.2 built-in loses
 # needles"). The search chose the split early, under the attention-sum scorer, and never retried it
 # once the union scorer (which already keeps the last rows' picks) had won.
-# Rebuilt in stop 65 with the measured ratio source in the search: it shipped `expected-output` scores
-# with ratios from measured loss (held out 2.272, with the draft 2.167 on the choosing half; the stop-60
-# profile it replaces, `union` with attention-sum ratios: 2.470 and 2.386 on the same prompts). Its query
-# statistics ship beside it (smollm2-b0.2.queries.safetensors, 2.3 MB).
 "$KVTOOL" calibrate smollm2 --budget 0.2 --samples 20 --draft 32,rounds=2,verify,stage \
     --space evictions=heavy-hitter --space selections=importance --out "$OUT/smollm2-b0.2.yaml"
 "$KVTOOL" calibrate smollm2 --budget 0.5 --samples 20 --draft 64,rounds=2,verify --out "$OUT/smollm2-b0.5.yaml"
