@@ -540,7 +540,7 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
 # --------------------------------------------------------------------------- shipped profiles
 
 
-@pytest.mark.parametrize("budget", [0.2, 0.5])
+@pytest.mark.parametrize("budget", [0.1, 0.2, 0.5])
 def test_the_builtin_profiles_draw_is_drawn_again(budget: float) -> None:
     """benchmarks/prompt_overhead.py measures a built-in profile again on the prompts its
     calibration drew: `draw` with the profile's sample count and seed gives the same prompts."""
@@ -554,7 +554,7 @@ def test_the_builtin_profiles_draw_is_drawn_again(budget: float) -> None:
     assert len(choosing) == info.chosen_on and len(confirming) == info.confirmed_on
 
 
-@pytest.mark.parametrize("budget", [0.2, 0.5])
+@pytest.mark.parametrize("budget", [0.1, 0.2, 0.5])
 def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float) -> None:
     from kvtool.profiles.builtin import builtin_profile
 

@@ -24,7 +24,7 @@ def test_exact_builtin_profile_is_used_as_shipped() -> None:
     assert chosen.source == "built-in smollm2-b0.2.yaml (budget 0.2)"
 
 
-@pytest.mark.parametrize(("budget", "nearest"), [(0.1, 0.2), (0.3, 0.2), (0.4, 0.5), (0.7, 0.5)])
+@pytest.mark.parametrize(("budget", "nearest"), [(0.05, 0.1), (0.12, 0.1), (0.18, 0.2), (0.3, 0.2), (0.4, 0.5), (0.7, 0.5)])
 def test_other_budgets_rederive_the_nearest_builtin(budget: float, nearest: float) -> None:
     chosen = choose_profile(SMOLLM2, budget)
     base = load_profile(builtin_dir() / f"smollm2-b{nearest:g}.yaml")

@@ -661,7 +661,7 @@ def test_builtin_profiles_round_trip_byte_for_byte(tmp_path: Path, path: Path) -
 
 
 def test_builtin_profiles_exist() -> None:
-    assert [p.name for p in BUILTIN_FILES] == ["gemma3-270m-b0.2.yaml", "gemma3-270m-b0.5.yaml", "smollm2-b0.2.yaml", "smollm2-b0.5.yaml"]
+    assert [p.name for p in BUILTIN_FILES] == ["gemma3-270m-b0.2.yaml", "gemma3-270m-b0.5.yaml", "smollm2-b0.1.yaml", "smollm2-b0.2.yaml", "smollm2-b0.5.yaml"]
 
 
 def test_profiles_package_imports_no_torch() -> None:

@@ -519,11 +519,12 @@ def test_the_search_stops_where_no_single_rule_change_improves():
     assert past_two > 0
 
 
-@pytest.mark.parametrize("name", ["smollm2-b0.2", "smollm2-b0.5", "gemma3-270m-b0.2", "gemma3-270m-b0.5"])
+@pytest.mark.parametrize("name", ["smollm2-b0.1", "smollm2-b0.2", "smollm2-b0.5", "gemma3-270m-b0.2", "gemma3-270m-b0.5"])
 def test_the_built_in_searches_replay_exactly_and_the_retry_rule_keeps_their_choice(name):
     """Replayed on their recorded PPLs, the built-in profiles' searches ask for exactly the recipes they
     measured and choose what they chose (with the retry rule, for those calibrated since it exists;
-    without, for older ones); with the rule, the same choice in fewer trials than without."""
+    without, for older ones); with the rule, the same choice in no more trials than without (fewer
+    on all but smollm2-b0.1, 32 either way)."""
     from kvtool.calibrate.config import DEFAULT_BATCH_SIZE
     from kvtool.calibrate.replay import replay
     from kvtool.calibrate.search import ROWS_PER_PASS
@@ -539,4 +540,6 @@ def test_the_built_in_searches_replay_exactly_and_the_retry_rule_keeps_their_cho
     assert as_run.unmeasured == 0 and len(as_run.search.trials) == len(info.recipes)
     assert as_run.ppl == info.ppl_compressed or info.fell_back
     assert recipe_key(ruled.search.chosen) == recipe_key(unruled.search.chosen)
-    assert len(ruled.search.trials) < len(unruled.search.trials)
+    assert len(ruled.search.trials) <= len(unruled.search.trials)
+    if name != "smollm2-b0.1":
+        assert len(ruled.search.trials) < len(unruled.search.trials)
