@@ -191,6 +191,17 @@ def test_measurement_over_padded_batches_gives_each_layer_its_curve():
     np.testing.assert_allclose(losses.curves, clean_curves(losses.deltas.mean(axis=0)))
 
 
+def test_nll_per_token_matches_a_float64_log_softmax():
+    generator = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(3, 9, 5000, generator=generator)
+    ref = torch.randint(0, 5000, (9,), generator=generator)
+    expected = [
+        float(-torch.log_softmax(logits[b, :-1].double(), dim=-1)[torch.arange(8), ref[1:]].mean()) for b in range(3)
+    ]
+    assert nll_per_token(logits, ref) == pytest.approx(expected, abs=1e-6)
+    assert nll_per_token(logits[:1], ref) == pytest.approx(expected[0], abs=1e-6)
+
+
 def test_text_models_only():
     assert layer_loss.measurable(tiny_llama()) is None
 
