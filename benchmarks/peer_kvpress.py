@@ -154,6 +154,7 @@ class Options:
     references: Path | None
     json_out: Path | None
     threads: int | None = None
+    kinds: tuple[str, ...] | None = None  # only the rows of these kinds (as `kvtool eval --kinds`)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -197,6 +198,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
     parser.add_argument("--limit", type=int, help="only the first N prompts")
+    parser.add_argument("--kinds", help="comma list: only the prompts of these kinds, in data order (as kvtool eval --kinds)")
     parser.add_argument("--references", type=Path, help="a kvtool eval --json file whose full_outputs to use")
     parser.add_argument("--json", dest="json_out", type=Path, help="write the results here")
     parser.add_argument(
@@ -211,6 +213,9 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise PeerError(f"--threads must be at least 1, got {args.threads}")
     if args.limit is not None and args.limit < 1:
         raise PeerError(f"--limit must be at least 1, got {args.limit}")
+    kinds = None if args.kinds is None else tuple(dict.fromkeys(k.strip() for k in args.kinds.split(",") if k.strip()))
+    if kinds == ():
+        raise PeerError("--kinds is empty")
     if not (args.model_dir / "config.json").is_file():
         raise PeerError(f"--model-dir {args.model_dir}: not a Hugging Face model directory (no config.json)")
     if args.json_out is not None and args.json_out.is_dir():
@@ -218,7 +223,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     return Options(
         model_dir=args.model_dir, data=args.data, presses=_names(args.presses), budgets=_budgets(args.budgets),
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-        references=args.references, json_out=args.json_out, threads=args.threads,
+        references=args.references, json_out=args.json_out, threads=args.threads, kinds=kinds,
     )
 
 
@@ -277,11 +282,17 @@ def _parse_row(line: str, where: str) -> Row:
     return Row(prompt=_normalize(prompt), kind=kind, answers=answers)
 
 
-def load_rows(path: Path, limit: int | None = None) -> list[Row]:
+def load_rows(path: Path, limit: int | None = None, kinds: Sequence[str] | None = None) -> list[Row]:
     text = _read_text(path, "data file")
     rows = [_parse_row(line, f"{path} line {n}") for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not rows:
         raise PeerError(f"{path}: no prompts")
+    if kinds is not None:
+        present = sorted({r.kind for r in rows if r.kind is not None})
+        missing = [k for k in kinds if k not in present]
+        if missing:
+            raise PeerError(f"{path}: no prompts of kind {missing[0]!r} (its kinds: {', '.join(present) or 'none'})")
+        rows = [r for r in rows if r.kind in kinds]
     return rows[:limit] if limit is not None else rows
 
 
@@ -650,7 +661,7 @@ def run(options: Options) -> dict[str, Any]:
     started = time.perf_counter()
     if options.threads is not None:
         torch.set_num_threads(options.threads)
-    rows = load_rows(options.data, options.limit)
+    rows = load_rows(options.data, options.limit, options.kinds)
     given = load_references(options.references, len(rows)) if options.references is not None else None
     m = load_model(options.model_dir)
     encoded = [encode_prompt(m.tokenizer, row.prompt, options.max_prompt_tokens) for row in rows]
@@ -747,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = parse_args(sys.argv[1:] if argv is None else argv)
         # Input files are checked before the model loads: a typo should not cost a minute.
-        rows = load_rows(options.data, options.limit)
+        rows = load_rows(options.data, options.limit, options.kinds)
         if options.references is not None:
             load_references(options.references, len(rows))
         report = run(options)

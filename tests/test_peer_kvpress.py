@@ -177,6 +177,7 @@ def model_dir(tmp_path):
         (["--limit", "0"], "--limit must be at least 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["--threads", "0"], "--threads must be at least 1"),
+        (["--kinds", " , "], "--kinds is empty"),
         (["--bogus"], "unrecognized arguments"),
     ],
 )
@@ -189,6 +190,8 @@ def test_arguments_parse(model_dir):
     options = peer.parse_args(["--model-dir", str(model_dir), "--presses", "knorm,tova,knorm", "--budgets", "0.5,0.1"])
     assert options.presses == ("knorm", "tova") and options.budgets == (0.5, 0.1)
     assert options.max_new_tokens == 64 and options.max_prompt_tokens == 2048 and options.data == peer.DEFAULT_DATA
+    assert options.kinds is None
+    assert peer.parse_args(["--model-dir", str(model_dir), "--kinds", "code, chat,code"]).kinds == ("code", "chat")
 
 
 def test_main_reports_one_line_and_exit_2(tmp_path, model_dir, capsys):
@@ -208,6 +211,9 @@ def test_rows(tmp_path):
     rows = peer.load_rows(data)
     assert rows == [peer.Row("a\nb", "chat"), peer.Row("c", None, ("1", "2")), peer.Row("d")]
     assert peer.load_rows(data, limit=2) == rows[:2]
+    assert peer.load_rows(data, kinds=("chat",)) == rows[:1]
+    with pytest.raises(peer.PeerError, match="no prompts of kind 'code' \\(its kinds: chat\\)"):
+        peer.load_rows(data, kinds=("chat", "code"))
     for bad, message in [('{"kind": "x"}', "\"prompt\" must be"), ('{"prompt": "a", "kind": 3}', "\"kind\""), ("[1]", "JSON object")]:
         data.write_text(bad + "\n")
         with pytest.raises(peer.PeerError, match=message):
