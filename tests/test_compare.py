@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare"] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["compare"]
-    return module
+    return load_benchmark("compare")
 
 
 def write(path: Path, doc: dict) -> Path:

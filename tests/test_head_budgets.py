@@ -3,30 +3,19 @@ masked attention against the model's own (all kept) and against eager attention 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AttentionInterface
 
+from benchmark_scripts import load_benchmark
 from tiny_models import prompts, tiny_llama
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "head_budgets.py"
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("head_budgets", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["head_budgets"] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["head_budgets"]
-    return module
+    return load_benchmark("head_budgets")
 
 
 def test_allocations_match_a_brute_force(probe):

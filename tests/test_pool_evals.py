@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pool_evals.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def pool_evals():
-    spec = importlib.util.spec_from_file_location("pool_evals", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pool_evals"] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["pool_evals"]
-    return module
+    return load_benchmark("pool_evals")
 
 
 def result(method, nll, tokens, rouge, accuracy=None, budget=0.2):
