@@ -28,10 +28,10 @@ from kvtool.models import load_model, use_offline_defaults
 
 use_offline_defaults()  # before the imports below load transformers, which reads them once
 
-from kvtool.calibrate.build import Allocated, allocate, build_profile, with_method  # noqa: E402
-from kvtool.calibrate.config import DEFAULT_SAMPLES, CalibrateConfig  # noqa: E402
-from kvtool.calibrate.passes import FullPass, full_pass, recorded_importance, search_truncation_and_merge  # noqa: E402
-from kvtool.calibrate.statistics import ImportanceStats, batch_stats, combine, kept_image_share  # noqa: E402
+from kvtool.calibration.build import Allocated, allocate, build_profile, with_method  # noqa: E402
+from kvtool.calibration.config import DEFAULT_SAMPLES, CalibrateConfig  # noqa: E402
+from kvtool.calibration.passes import FullPass, full_pass, recorded_importance, search_truncation_and_merge  # noqa: E402
+from kvtool.calibration.statistics import ImportanceStats, batch_stats, combine, kept_image_share  # noqa: E402
 from kvtool.data import load_jsonl, select_samples  # noqa: E402
 from kvtool.profiles import fingerprint_of  # noqa: E402
 from kvtool.scoring import encode_batches  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvtool.calibrate.runner import calibrate
+from kvtool.calibration.runner import calibrate
 from kvtool.models import use_offline_defaults
 
 

@@ -19,7 +19,7 @@ method (two profiles, say) sit side by side:
         --budget 0.2 --against kvtool
 
 Feeds the quality tables: README.md "Quality against the peers" and every table of
-docs/results.md that combines `kvtool eval` files (with `--plot`, docs/results/quality-smollm2-vs-budget.png).
+docs/results.md that combines `kvtool eval` files (`--plot OUT.png` draws quality against budget).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def plot(evals: list[str], peers: list[Path], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvtool.evaluate.plot import save_figure
+    from kvtool.evaluation.plot import save_figure
 
     files = [labelled(e)[0] for e in evals] + peers
     budgets = sorted({r["budget"] for p in files for r in read_json(p)["results"] if r["budget"] < 1})

@@ -1,6 +1,7 @@
 """kvtool on a CUDA GPU: the exactness checks on a float64 tiny Llama, then `kvtool bench` timings.
 
-CI has no GPU, so the test suite runs on the CPU; this script is what a session with a GPU runs.
+The test suite runs on the CPU (Triton's kernels in its interpreter); this script checks the same
+paths on a GPU.
 
 1. Exactness on the GPU (float64 tiny Llama, GQA; the shipped recipe and every named method):
    budget 1.0 generates what the unmodified model generates, a padded batch generates what each
@@ -40,7 +41,7 @@ from kvtool.bench import BenchConfig, bench_dict, long_prompts, run_bench  # noq
 from kvtool.models.forward import with_cache  # noqa: E402
 from kvtool.profiles import read_profile  # noqa: E402
 from kvtool.profiles.builtin import builtin_profile  # noqa: E402
-from kvtool.runtime import METHODS, attach, method_profile, uniform_profile  # noqa: E402
+from kvtool.runtime import METHODS, attach, method_profile, uniform_profile, use_settings  # noqa: E402
 from kvtool.scoring.batches import left_pad  # noqa: E402
 
 NEW = 24
@@ -164,16 +165,10 @@ def exactness(device: torch.device, shipped) -> dict:
 def graphed_generate_matches(model, profile, inputs: dict[str, torch.Tensor]) -> bool:
     """`handle.generate` (the recipe's draft applied where it has one) gives the same sequences with
     its decode steps replayed as a CUDA graph (runtime.graphed_generate) as with transformers' loop."""
-    from kvtool.runtime import graphed_generate
-
-    runs, saved = [], graphed_generate.MODE
-    try:
-        for mode in ("off", "auto"):
-            graphed_generate.MODE = mode
-            with torch.inference_mode(), attach(model, profile) as handle:
-                runs.append(handle.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=0))
-    finally:
-        graphed_generate.MODE = saved
+    runs = []
+    for loop in ("off", "auto"):
+        with use_settings(generate_loop=loop), torch.inference_mode(), attach(model, profile) as handle:
+            runs.append(handle.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=0))
     return bool(torch.equal(runs[0], runs[1]))
 
 
@@ -182,18 +177,13 @@ def held_on_host_matches(model, profile, inputs: dict[str, torch.Tensor]) -> boo
     and values) with its held prompts in pinned host memory as with them on the GPU, also the second
     time, from the pinned buffers the first one gave back (`runtime.layer.pinned`)."""
     from kvtool.runtime.draft import prepare
-    from kvtool.runtime.layer import held_prompt
     from kvtool.runtime.steps import Prompt
 
-    runs, saved = [], held_prompt.ON_HOST
-    try:
-        for on_host in (False, True, True):
-            held_prompt.ON_HOST = on_host
-            with torch.inference_mode(), attach(model, profile) as handle:
-                prompt = Prompt.of(inputs)  # the whole batch at once, wherever the prompt is held
-                runs.append(prepare(model, prompt, handle.bare_cache, profile.method.draft, rows=len(prompt.input_ids)))
-    finally:
-        held_prompt.ON_HOST = saved
+    runs = []
+    for on_host in (False, True, True):
+        with use_settings(hold_prompt_on_host=on_host), torch.inference_mode(), attach(model, profile) as handle:
+            prompt = Prompt.of(inputs)  # the whole batch at once, wherever the prompt is held
+            runs.append(prepare(model, prompt, handle.bare_cache, profile.method.draft, rows=len(prompt.input_ids)))
     gpu, same = runs[0], True
     for host in runs[1:]:
         same &= torch.equal(gpu.first_logits, host.first_logits)
@@ -215,30 +205,19 @@ def graph_decode_matches(model, profile, inputs: dict[str, torch.Tensor], steps:
 def fused_step_matches(model, profile, inputs: dict[str, torch.Tensor], steps: int = NEW) -> bool:
     """The recipe's decode steps through kernels/triton_step.py (a float32 copy of the model: the
     kernels take 32- and 16-bit inputs), replayed as a CUDA graph, give the float64 eager steps'
-    tokens and logits within float32 rounding, and every compressing layer's steps ran through them."""
+    tokens and logits within float32 rounding, and some layer stepped through them (its `fused`, as
+    `fix_slots` set it: the layers the kernels cover, whose plain softmax attention they replace)."""
     import copy
-
-    from kvtool.runtime.kernels import triton_step
 
     eager_tokens, eager_logits = greedy_steps(model, profile, inputs, "eager", steps)
     single = copy.deepcopy(model).float()
-    calls = []
-    step, fused = triton_step.decode_step, triton_step.FUSED
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return step(*args, **kwargs)
-
-    triton_step.decode_step, triton_step.FUSED = counted, True
-    try:
-        tokens, logits = greedy_steps(single, profile, inputs, _graph_mode(model), steps)
-    finally:
-        triton_step.decode_step, triton_step.FUSED = step, fused
-    layers = model.config.num_hidden_layers
+    fused: list[bool] = []
+    with use_settings(fused_decode_step=True):
+        tokens, logits = greedy_steps(single, profile, inputs, _graph_mode(model), steps, fused=fused)
     return (
         bool(torch.equal(eager_tokens, tokens))
         and bool(torch.allclose(eager_logits, logits.double(), rtol=1e-4, atol=1e-4))
-        and len(calls) >= layers  # the graph replays what its capture recorded: at least one step's calls
+        and any(fused)
     )
 
 
@@ -246,9 +225,12 @@ def _graph_mode(model) -> str:
     return "graph" if model.device.type == "cuda" else "fixed"
 
 
-def greedy_steps(model, profile, inputs: dict[str, torch.Tensor], how: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_steps(
+    model, profile, inputs: dict[str, torch.Tensor], how: str, steps: int, fused: list[bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`steps` greedy tokens after the prompt through a fresh cache decoding in mode `how`
-    (runtime.graphed); returns the tokens [B, steps] and the logits of each step."""
+    (runtime.graphed); returns the tokens [B, steps] and the logits of each step. `fused`, if given,
+    gets each layer's `fused` (whether its steps went through kernels/triton_step.py) after them."""
     from kvtool.runtime.graphed import Decoder
     from kvtool.runtime.steps import Prompt, prompt_forward
 
@@ -263,6 +245,8 @@ def greedy_steps(model, profile, inputs: dict[str, torch.Tensor], how: str, step
             tokens.append(token)
             logits = decoder(token, prompt.next_positions.to(model.device) + step).clone()
             seen.append(logits)
+        if fused is not None:
+            fused.extend(bool(getattr(layer, "fused", False)) for layer in cache.layers)
         decoder.close()
     return torch.cat(tokens, dim=1), torch.stack(seen)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check as one script (what a session with a lent GPU runs; about 5 minutes on an H100):
+# The GPU check as one script (about 5 minutes on an H100):
 #   1. (SMOKE=1) a smoke run first: cuda_check's exactness checks and one small cell at
 #      Llama-3.1-8B's shape; the script stops there if any of that failed;
 #   2. 8192 x 4: cuda_check's exactness checks (float64 tiny Llama: CUDA-graph decode, generate
@@ -9,13 +9,14 @@
 #      with its draft (held prompts in host memory, and on the GPU; and with its second round from the
 #      first's predictions, `Draft.jacobi`), without a draft also with the eager decode step
 #      instead of the fused one (kernels/triton_step.py, whose exactness check is in step 2) and with
-#      the fused step's victim search in one program per row (`SPLIT_GAINS`);
+#      the fused step's victim search in one program per row (`split_victim_search` off);
 #   3. 32768 x 2: the same without the exactness checks, 2 repeats;
-#   5. (HYBRID=1) a random-weight model of Gemma-3-12B's shape (40 sliding-window layers of 1024, 8 global)
-#      at 8192 x 4: the full cache against kvtool's uniform 0.2 (windows of 205 entries, global layers at 0.2);
 #   4. (MORE=1) the decode steps' profile, `generate` full against kvtool, and the largest batch at
-#      32k of kvtool (its prompt phase a row at a time) and of the full cache (about 5 minutes more).
-# Results go to $OUT (or ./gpu-out): smoke.json, gpu-8k.json/.md, gpu-32k.json/.md, more.json/.md.
+#      32k of kvtool (its prompt phase a row at a time) and of the full cache (about 5 minutes more);
+#   5. (HYBRID=1) a random-weight model of Gemma-3-12B's shape (40 sliding-window layers of 1024, 8 global)
+#      at 8192 x 4: the full cache against kvtool's uniform 0.2 (windows of 205 entries, global layers at 0.2).
+# Results go to $OUT (or ./gpu-out): smoke.json, gpu-8k.json/.md, gpu-32k.json/.md, more.json/.md,
+# gpu-gemma3-12b-8k.json/.md.
 # SHAPE=tiny runs steps 2-3 on a tiny random model (a CPU dry run of the script).
 set -euo pipefail
 out="${OUT:-gpu-out}"

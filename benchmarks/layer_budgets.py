@@ -1,8 +1,11 @@
 """Does a budget split across layers by measured loss beat the same ratio everywhere? A quality probe.
 
-Issue 50, item 3: PrefixKV's per-layer ratios (from the Lorenz curves of the column sums) have not
-beaten the same ratio in every layer on SmolLM2; the issue's other road is to allocate "by measured
-loss per byte of each layer". This measures that allocation before building it into calibration.
+PrefixKV's per-layer ratios (from the Lorenz curves of the column sums) tie the same ratio in every
+layer on SmolLM2 (this script's first command below: NLL per token -0.034 +- 0.040 against uniform
+on the held-out prompts); the other road is to allocate by measured loss per byte of each layer.
+This measures that allocation by masking, outside calibration, at more ratios and prompts than
+calibration's `measured` ratio source affords (the first command below: -0.210 +- 0.063 against
+uniform, 24 minutes on 2 cores).
 
 1. **Each layer's loss curve, measured.** On the choosing prompts, each layer alone is compressed
    (per KV head, its top entries by kvtool's default `union` score, the first 4 and last 8 prompt
@@ -13,7 +16,7 @@ loss per byte of each layer". This measures that allocation before building it i
    0.01, that minimise the sum of the layers' interpolated losses with the layers' mean ratio equal
    to the budget (every layer holds the same number of entries per ratio here): an exact dynamic
    programme over the grid (`kvtool.profiles.loss_budget.solve_by_loss`, which calibration's
-   `measured` ratio source now uses). Summing single-layer losses assumes that the layers'
+   `measured` ratio source uses too). Summing single-layer losses assumes that the layers'
    losses add up; step 3 checks what the allocation does when every layer compresses at once.
 3. **Held out.** On other calibration prompts every layer compresses at once, with
    - the budget in every layer (`uniform`);

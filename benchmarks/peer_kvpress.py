@@ -12,7 +12,7 @@ mirrors, so the two tools are judged the same way:
   file given with `--references`, so both tools are judged against the very same references;
 - PPL = exp(mean NLL) pooled over all reference tokens, teacher-forced token by token through the
   compressed cache (new tokens at their true positions, not at the compressed cache's length);
-- ROUGE-L F1 (rouge-score, as kvtool.evaluate.metrics) of the compressed greedy output against the
+- ROUGE-L F1 (rouge-score, as kvtool.evaluation.metrics) of the compressed greedy output against the
   full cache's; accuracy on rows with "answers": the share of answer strings found in the output,
   case-insensitive (RULER's string-match-all), averaged over answer rows;
 - kv_fraction: KV entries the compressed cache holds at the end of greedy generation over those a
@@ -37,6 +37,9 @@ where eval.json is `kvtool eval --json`'s output on the same data (its `full_out
 
 torch, transformers and kvpress are imported inside functions, so the helpers here can be imported
 and tested where kvpress is not installed.
+
+Over 400 lines because it must be one self-contained file: it runs in kvpress's environment, where
+kvtool cannot be imported, so the protocol it restates cannot be split into kvtool modules.
 
 Feeds the kvpress rows of README.md "Quality against the peers" and docs/results.md (the files
 docs/results/eval-smollm2-b0.2-kvpress-*.json), printed beside kvtool's by benchmarks/compare.py.
@@ -244,7 +247,7 @@ class Reference:
 
 
 def _normalize(text: str) -> str:
-    # As kvtool.calibrate.data: the model sees the prompt without CR line ends or outer blanks.
+    # As kvtool.calibration.data: the model sees the prompt without CR line ends or outer blanks.
     return text.replace("\r\n", "\n").replace("\r", "\n").strip()
 
 
@@ -331,7 +334,7 @@ def _scorer() -> Any:
 
 
 def rouge_l_f1(prediction: str, target: str) -> float:
-    """As kvtool.evaluate.metrics.rouge_l_f1: two empty outputs agree perfectly."""
+    """As kvtool.evaluation.metrics.rouge_l_f1: two empty outputs agree perfectly."""
     if not prediction.strip() and not target.strip():
         return 1.0
     return float(_scorer().score(target, prediction)["rougeL"].fmeasure)
@@ -627,7 +630,7 @@ def is_hybrid(config: Any) -> bool:
 
 
 def _text(tokenizer: Any, tokens: Sequence[int]) -> str:
-    # kvtool.evaluate.runner._texts
+    # kvtool.evaluation.runner._texts
     return tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
 
 

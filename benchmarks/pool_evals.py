@@ -1,4 +1,4 @@
-"""Issue 50's target table over prompt sets that ran apart: `kvtool eval --json` files pooled.
+"""The quality targets' table over prompt sets that ran apart: `kvtool eval --json` files pooled.
 
 `compare.py` sets files over the same prompts side by side; this script joins files over different
 prompts (the 65 short-answer prompts and the 16 long answers, say, each run on its own) into one
@@ -9,9 +9,13 @@ minus `--against`, paired over prompts: the PPL ratio's difference, ROUGE-L, and
 Each SET argument is one prompt set: a file, or files over the same prompts joined by `+` (a later
 file's method replaces an earlier one's, as in compare.py). A method counts only if every set has it.
 
-    .venv/bin/python benchmarks/pool_evals.py --budget 0.2 --against kvtool-no-draft \\
-        docs/results/eval-smollm2-b0.2-256-stop68.json \\
-        docs/results/eval-smollm2-long-answer-256-b0.2.json+docs/results/eval-smollm2-long-answer-256-b0.2-builtin-stop66.json
+    .venv/bin/kvtool eval smollm2 --kinds document,image,chat,code,retrieval --budgets 0.2 \\
+        --methods kvtool,kvtool-no-draft,tova,h2o --max-new-tokens 256 --json short.json
+    .venv/bin/kvtool eval smollm2 --kinds long-answer --budgets 0.2 \\
+        --methods kvtool,kvtool-no-draft,tova,h2o --max-new-tokens 256 --json long.json
+    .venv/bin/python benchmarks/pool_evals.py --budget 0.2 --against kvtool-no-draft short.json long.json
+
+(`long.json+long-again.json` would join a later run of some methods over the same long answers.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Calibrated profiles' prompt-phase overhead, measured again as `kvtool calibrate` measured it.
 
 A profile records `calibration.prompt_overhead`: its prompt phase (draft included) over the full
-cache's prompt forward on the last batch of its calibration prompts (`kvtool.calibrate.cost`). This
+cache's prompt forward on the last batch of its calibration prompts (`kvtool.calibration.cost`). This
 measures each PROFILE again on the prompts its calibration drew (its sample count and seed, the
 packaged data, the default prompt length; checked against its dataset hash), each against the full
 cache in the same run: e.g. a profile's draft edited by hand against the one calibration shipped.
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtool.calibrate.config import CalibrateConfig
-from kvtool.calibrate.cost import prompt_overhead
-from kvtool.calibrate.runner import draw, encode_halves
+from kvtool.calibration.config import CalibrateConfig
+from kvtool.calibration.cost import prompt_overhead
+from kvtool.calibration.runner import draw, encode_halves
 from kvtool.data import dataset_hash, load_jsonl
 from kvtool.errors import KvtoolError
 from kvtool.models.loader import as_loaded

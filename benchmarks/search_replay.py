@@ -2,7 +2,7 @@
 
 Once as recorded (no retry rule: it must ask for exactly the recorded trials) and once with later
 rounds retrying only what came within `--retry-within` of their stage's PPL to beat
-(`kvtool.calibrate.replay`); trials and choices side by side.
+(`kvtool.calibration.replay`); trials and choices side by side.
 
     .venv/bin/python benchmarks/search_replay.py kvtool/profiles/builtin/gemma3-270m-b0.*.yaml
     .venv/bin/python benchmarks/search_replay.py kvtool/profiles/builtin/smollm2-b0.*.yaml --per-pass 3
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvtool.calibrate.recipes import RETRY_WITHIN, describe
-from kvtool.calibrate.replay import replay
-from kvtool.calibrate.search import ROWS_PER_PASS
+from kvtool.calibration.recipes import RETRY_WITHIN, describe
+from kvtool.calibration.replay import replay
+from kvtool.calibration.search import ROWS_PER_PASS
 from kvtool.profiles import read_profile
 
 

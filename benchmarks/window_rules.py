@@ -23,10 +23,10 @@ import importlib
 import time
 from dataclasses import replace
 
-from kvtool.calibrate.config import DEFAULT_LONG_PROMPT_TOKENS, CalibrateConfig
-from kvtool.calibrate.passes import full_pass
-from kvtool.calibrate.runner import draw, encode_halves
-from kvtool.calibrate.windows import _side_by_side
+from kvtool.calibration.config import DEFAULT_LONG_PROMPT_TOKENS, CalibrateConfig
+from kvtool.calibration.passes import full_pass
+from kvtool.calibration.runner import draw, encode_halves
+from kvtool.calibration.windows import _side_by_side
 from kvtool.data import load_jsonl
 from kvtool.data.long_prompts import long_prompts
 from kvtool.models import use_offline_defaults

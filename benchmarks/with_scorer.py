@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvtool.calibrate.config import CalibrateConfig
-from kvtool.calibrate.queries import record_query_stats
-from kvtool.calibrate.runner import draw, encode_halves
+from kvtool.calibration.config import CalibrateConfig
+from kvtool.calibration.queries import record_query_stats
+from kvtool.calibration.runner import draw, encode_halves
 from kvtool.data import load_jsonl
 from kvtool.models import load_model, use_offline_defaults
 from kvtool.profiles import read_profile, save_profile

@@ -10,7 +10,7 @@ import pytest
 
 from kvtool.models import use_offline_defaults
 
-# The CLI's offline/quiet defaults for the whole session, before anything imports transformers.
+# The CLI's offline/quiet defaults for the whole test run, before anything imports transformers.
 use_offline_defaults()
 
 _WORDS = (

@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from kvtool.errors import KvtoolError
 from kvtool.profiles.allocation import (
     Allocation,
     aggregate,
@@ -209,7 +210,7 @@ def test_allocation_is_frozen() -> None:
 
 @pytest.mark.parametrize("budget", [0.0, -0.2, 1.0000001, 2.0, float("nan")])
 def test_bad_budget_raises(budget: float) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(KvtoolError, match="budget must be a kept fraction"):
         solve_retention(np.tile(grid(11), (2, 1)), budget)
 
 
@@ -358,5 +359,5 @@ def test_integer_allocation_redistributes_capped_layers() -> None:
     ],
 )
 def test_integer_allocation_bad_input_raises(ratios, n, budget) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(KvtoolError if not 0 < budget <= 1 else ValueError):
         integer_allocation(np.asarray(ratios, dtype=np.float64), n, budget)

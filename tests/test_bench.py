@@ -212,8 +212,8 @@ def test_json_stdout_is_one_object_from_the_real_entry_point(tiny_llama_dir: Pat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--budget", "0"], "error: --budget must be a kept fraction in (0, 1]"),
-        (["--budget", "1.5"], "error: --budget must be a kept fraction in (0, 1]"),
+        (["--budget", "0"], "error: budget must be a kept fraction in (0, 1]"),
+        (["--budget", "1.5"], "error: budget must be a kept fraction in (0, 1]"),
         (["--prompt-tokens", str(MIN_PROMPT_TOKENS - 1)], "error: --prompt-tokens must be at least 16"),
         (["--prompt-tokens", "257"], "error: --prompt-tokens 257 is larger than the model's max_position_embeddings"),
         (["--prompt-tokens", "250", "--new-tokens", "10"], "error: --prompt-tokens 250 + --new-tokens 10 exceed"),

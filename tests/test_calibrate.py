@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import make_word_tokenizer
-from kvtool.calibrate.config import DEFAULT_CANDIDATES, CalibrateConfig
-from kvtool.calibrate.runner import calibrate, check_writable
+from kvtool.calibration.config import DEFAULT_CANDIDATES, CalibrateConfig
+from kvtool.calibration.runner import calibrate, check_writable
 from kvtool.data import Record, dataset_hash, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.errors import KvtoolError
 from kvtool.models import LoadedModel, prepare_tokenizer
@@ -83,8 +83,10 @@ def without_run_facts(profile) -> dict:
 
 
 def test_same_inputs_and_seed_give_the_same_profile(tiny: LoadedModel, result) -> None:
-    again = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, **FAST)
-    assert without_run_facts(again.profile) == without_run_facts(result.profile)
+    # No prompt-overhead limit: the draft it keeps depends on a measured time ratio, not on the inputs.
+    first, again = (calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=1, max_prompt_overhead=None, **FAST)
+                    for _ in range(2))
+    assert without_run_facts(again.profile) == without_run_facts(first.profile)
     # Seed 3 draws samples 2, 4, 5, 6 where seed 1 drew 1, 2, 5, 6.
     other_seed = calibrate(tiny, 0.3, data=word_prompts(6), samples=4, seed=3, **FAST)
     assert other_seed.profile.calibration.dataset_hash != result.profile.calibration.dataset_hash
@@ -229,7 +231,7 @@ def test_hybrid_calibration_chooses_the_sliding_windows_by_measured_loss() -> No
 
 
 def test_the_default_draft_reaches_a_full_attention_profile(tiny: LoadedModel) -> None:
-    from kvtool.calibrate.config import DEFAULT_DRAFT
+    from kvtool.calibration.config import DEFAULT_DRAFT
     from kvtool.profiles import Draft
 
     assert DEFAULT_DRAFT.tokens > 0 and DEFAULT_DRAFT.rounds >= 1
@@ -327,7 +329,7 @@ def test_load_profile_rederives_ratios_for_another_budget(
     # At its own budget the stored curves give the stored ratios back (up to their 6 digits).
     back = load_profile(path, budget=0.6)
     assert np.allclose(compressed_ratios(back), compressed_ratios(other))
-    from kvtool.profiles.budget import rebudget
+    from kvtool.profiles.whole_cache import rebudget
 
     again, _ = rebudget(same, 0.3)
     assert np.allclose(compressed_ratios(again), compressed_ratios(same), atol=1e-5)
@@ -368,7 +370,7 @@ def test_recorded_prompt_compresses_like_a_compressed_prompt_forward(recipe) -> 
     must match what a prompt forward through the calibrated cache stores, and decode the same,
     whatever observation window the recipe's scorer reads."""
     from kvtool.scoring import left_pad
-    from kvtool.calibrate.truncation import compress_recorded_prompt
+    from kvtool.calibration.truncation import compress_recorded_prompt
     from tiny_models import profile_with
 
     for model in (tiny_llama(layers=3, seed=4), tiny_gemma3(seed=4)):
@@ -417,7 +419,7 @@ def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, s
     (the record's rows under the model's sliding mask must rank as the prompt forward's own scores)."""
     import importlib
     attach_module = importlib.import_module("kvtool.runtime.attach")
-    from kvtool.calibrate.truncation import compress_recorded_prompt
+    from kvtool.calibration.truncation import compress_recorded_prompt
     from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
     from kvtool.scoring import left_pad
     from tiny_models import profile_with
@@ -460,8 +462,8 @@ def test_recorded_prompt_cuts_any_sliding_window_as_its_prompt_forward(window, s
 def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
     """The recipe search runs a stage's recipes as blocks of one batch (runtime.grouped): every
     block must decode, evict and score as its cache would alone, sliding-window layers included."""
-    from kvtool.calibrate.passes import PromptState, recipe_ppls
-    from kvtool.calibrate.truncation import compress_recorded_prompt
+    from kvtool.calibration.passes import PromptState, recipe_ppls
+    from kvtool.calibration.truncation import compress_recorded_prompt
     from kvtool.runtime.grouped import GroupedCache
     from kvtool.scoring import References, left_pad
     from tiny_models import profile_with
@@ -544,7 +546,7 @@ def test_recipes_side_by_side_decode_exactly_as_each_alone() -> None:
 def test_the_builtin_profiles_draw_is_drawn_again(budget: float) -> None:
     """benchmarks/prompt_overhead.py measures a built-in profile again on the prompts its
     calibration drew: `draw` with the profile's sample count and seed gives the same prompts."""
-    from kvtool.calibrate.runner import draw
+    from kvtool.calibration.runner import draw
     from kvtool.data import dataset_hash, load_jsonl
     from kvtool.profiles.builtin import builtin_profile
 
@@ -607,7 +609,7 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
 
 
 def test_per_row_mean_removes_the_causal_bias() -> None:
-    from kvtool.calibrate.statistics import compressible
+    from kvtool.calibration.statistics import compressible
 
     n = 20
     # Every row spreads its attention evenly over the tokens it sees: column j collects sum_{r>=j} 1/(r+1).
@@ -667,7 +669,7 @@ def test_ablation_script_rebuilds_the_removed_variants(tiny: LoadedModel, result
 
 
 def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedModel) -> None:
-    from kvtool.calibrate.recipes import SearchSpace, recipe_key
+    from kvtool.calibration.recipes import SearchSpace, recipe_key
 
     records = [dataclasses.replace(r, kind=("a", "b")[i % 2]) for i, r in enumerate(word_prompts(8))]
     run = calibrate(tiny, 0.3, data=records, samples=4, seed=1, reference_tokens=6, candidates=(0, 8))
@@ -699,7 +701,7 @@ def test_the_search_chooses_on_one_half_and_confirms_on_the_other(tiny: LoadedMo
 
 def test_window_curves_are_recorded_per_pool_width(tiny: LoadedModel) -> None:
     """Ratios from the window scorer's curves come from the pool width the recipe uses."""
-    from kvtool.calibrate.passes import full_pass, scorer_key
+    from kvtool.calibration.passes import full_pass, scorer_key
     from kvtool.scoring import encode_batches
 
     records = word_prompts(3)
@@ -716,7 +718,7 @@ def test_window_curves_are_recorded_per_pool_width(tiny: LoadedModel) -> None:
 def test_window_curves_are_recorded_per_window(tiny: LoadedModel) -> None:
     """The recording keeps the widest window any scorer reads; each window's curves are that
     window's own, as a pass asked for it alone would give them."""
-    from kvtool.calibrate.passes import full_pass, scorer_key
+    from kvtool.calibration.passes import full_pass, scorer_key
     from kvtool.scoring import encode_batches
 
     records = word_prompts(3)
@@ -738,8 +740,8 @@ def test_window_curves_are_recorded_per_window(tiny: LoadedModel) -> None:
 def test_a_searched_union_window_share_is_recorded_and_applied(tiny: LoadedModel, tmp_path: Path) -> None:
     """With window shares in the space, every union trial records its share, the union's curves are
     kept per share, and the profile written runs the share it chose."""
-    from kvtool.calibrate.passes import scorer_key
-    from kvtool.calibrate.recipes import SearchSpace
+    from kvtool.calibration.passes import scorer_key
+    from kvtool.calibration.recipes import SearchSpace
     from kvtool.runtime import load_profile
     from kvtool.runtime.attach import layer_plans
 
@@ -771,7 +773,7 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
     (Jacobi), then one round fewer, then half the tokens down to 8, then none; the first draft within
     the limit ships, and the profile records its measured overhead and the limit (canned overheads:
     the measurement itself is a benchmark's business, not a test's)."""
-    from kvtool.calibrate import cost
+    from kvtool.calibration import cost
     from kvtool.profiles import Draft
 
     jacobi = lambda tokens, rounds: Draft(tokens, rounds, True, jacobi=True)  # noqa: E731
@@ -811,7 +813,7 @@ def test_a_draft_over_the_prompt_overhead_limit_gives_way_to_the_next_cheaper_on
 
 def test_prompt_cost_repeats_stop_once_the_ratios_are_clear_of_the_limit() -> None:
     """Repeating a timing only matters where it could move the draft across the limit."""
-    from kvtool.calibrate.cost import CLEAR_OF_LIMIT, clear
+    from kvtool.calibration.cost import CLEAR_OF_LIMIT, clear
 
     assert clear([4.0 / CLEAR_OF_LIMIT], 4.0) and clear([4.0 * CLEAR_OF_LIMIT, 9.0], 4.0)
     assert not clear([4.0 / CLEAR_OF_LIMIT + 0.01], 4.0) and not clear([1.0, 7.0], 4.0)
@@ -823,7 +825,7 @@ def test_prompt_cost_repeats_stop_once_a_majority_settles_the_median() -> None:
     import itertools
     import statistics
 
-    from kvtool.calibrate.cost import settled
+    from kvtool.calibration.cost import settled
 
     assert settled([2.8, 2.7], 4.0, 3) and settled([4.5, 5.0], 4.0, 3) and settled([4.0, 4.0], 4.0, 3)
     assert not settled([2.8], 4.0, 3) and not settled([2.8, 4.5], 4.0, 3) and not settled([2.8, 2.7], None, 3)
@@ -841,7 +843,7 @@ def test_the_prompt_cost_looks_at_one_row_first_and_times_the_batch_only_when_th
 ) -> None:
     """A row alone pays the draft's steps alone, so its ratio bounds its batch's from above: when it is
     clearly within the limit the batch is not timed; otherwise the batch's repeats decide as before."""
-    from kvtool.calibrate import cost
+    from kvtool.calibration import cost
     from kvtool.scoring import left_pad
 
     seen, durations = [], []
@@ -904,8 +906,8 @@ def test_long_answer_prompts_get_long_references_in_batches_of_their_own(tiny: L
     """Rows of kind long-answer are batched apart in the confirming half and scored there on
     `long_reference_tokens`; the choosing half scores them with the others. The last batch stays the
     confirming half's other prompts (where the prompt phase is timed)."""
-    from kvtool.calibrate.passes import full_pass
-    from kvtool.calibrate.runner import encode_halves
+    from kvtool.calibration.passes import full_pass
+    from kvtool.calibration.runner import encode_halves
 
     answer = " ".join(WORDS[:10])  # forced references: each runs its batch's whole length
     records = [

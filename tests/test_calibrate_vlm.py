@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtool.calibrate.statistics import PromptImages, kept_image_share
-from kvtool.calibrate.truncation import compress_recorded_prompt
+from kvtool.calibration.statistics import PromptImages, kept_image_share
+from kvtool.calibration.truncation import compress_recorded_prompt
 from kvtool.data import load_jsonl
 from kvtool.errors import KvtoolError
 from kvtool.profiles import read_profile

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvtool.calibrate.choose as choose_module
-from kvtool.calibrate.choose import choose_profile, choose_profiles
+import kvtool.calibration.choose as choose_module
+from kvtool.calibration.choose import choose_profile, choose_profiles
 from kvtool.profiles import save_profile
-from kvtool.profiles.budget import rebudget
+from kvtool.profiles.whole_cache import rebudget
 from kvtool.profiles.builtin import builtin_dir
 from kvtool.runtime import load_profile
 from tiny_models import tiny_llama

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtool.calibrate.runner import calibrate
+from kvtool.calibration.runner import calibrate
 from kvtool.data import load_jsonl
 from kvtool.cli.app import main
 from kvtool.profiles import read_profile
@@ -185,7 +185,7 @@ def test_default_out_path() -> None:
 def test_reference_tokens_default_is_the_library_default() -> None:
     import inspect
 
-    from kvtool.calibrate.config import REFERENCE_TOKENS
+    from kvtool.calibration.config import REFERENCE_TOKENS
     from kvtool.cli.calibrate import calibrate_command
 
     assert inspect.signature(calibrate_command).parameters["reference_tokens"].default == REFERENCE_TOKENS
@@ -194,7 +194,7 @@ def test_reference_tokens_default_is_the_library_default() -> None:
 def test_samples_default_is_the_library_default() -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_SAMPLES, HYBRID_SAMPLES, CalibrateConfig
+    from kvtool.calibration.config import DEFAULT_SAMPLES, HYBRID_SAMPLES, CalibrateConfig
     from kvtool.cli.calibrate import calibrate_command
 
     # None: the library picks by model (a hybrid model's calibration runs on fewer, longer prompts).
@@ -205,7 +205,7 @@ def test_samples_default_is_the_library_default() -> None:
 def test_budget_tokens_default_is_the_library_default() -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_BUDGET_TOKENS
+    from kvtool.calibration.config import DEFAULT_BUDGET_TOKENS
     from kvtool.cli.calibrate import calibrate_command
     from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS as PROFILE_DEFAULT
 
@@ -243,20 +243,24 @@ def test_inspect_gini_json_contract(calibrated: Path, monkeypatch, capsys) -> No
     assert code == 0, stderr
     doc = json.loads(stdout)
     profile = read_profile(calibrated)
-    assert list(doc) == ["budget", "p", "truncation_distance", "layers"]
+    assert list(doc) == ["budget", "p", "truncation_distance", "budget_tokens", "ratios", "scorer", "prefixkv_p",
+                         "corr_gini_ratio", "corr_gini_prefixkv", "layers"]
     assert doc["budget"] == 0.3 and doc["p"] == profile.calibration.retention_p
-    assert doc["truncation_distance"] == profile.method.truncation_distance
-    assert [list(layer) for layer in doc["layers"]] == [["layer", "ratio", "gini", "ratio_std"]] * len(profile.layers)
+    assert doc["truncation_distance"] == profile.method.truncation_distance and doc["ratios"] == profile.method.ratios
+    keys = ["layer", "ratio", "gini", "ratio_std", "loss", "kind", "source", "window", "prefixkv_ratio"]
+    assert [list(layer) for layer in doc["layers"]] == [keys] * len(profile.layers)
     assert [layer["layer"] for layer in doc["layers"]] == list(range(len(profile.layers)))
     assert [layer["ratio"] for layer in doc["layers"]] == profile.ratios
     assert np.mean([layer["ratio"] for layer in doc["layers"]]) == pytest.approx(0.3, abs=1e-12)
+    assert np.mean([layer["prefixkv_ratio"] for layer in doc["layers"]]) == pytest.approx(0.3, abs=1e-12)
 
 
 def test_inspect_gini_table(calibrated: Path, monkeypatch, capsys) -> None:
     code, stdout, _ = run(monkeypatch, capsys, "inspect", "gini", str(calibrated))
     assert code == 0
-    assert "Gini" in stdout and "Kept" in stdout and "Spread" in stdout and "█" in stdout
-    assert "retention p" in stdout
+    for heading in ("Gini", "PrefixKV", "Shipped", "Source", "Loss"):
+        assert heading in stdout
+    assert "retention p" in stdout and "corr(Gini, shipped ratio)" in stdout and "corr(Gini, PrefixKV ratio)" in stdout
 
 
 def test_inspect_gini_on_a_model_computes_curves(tiny_llama_dir: Path, data_file: Path, monkeypatch, capsys) -> None:
@@ -267,6 +271,14 @@ def test_inspect_gini_on_a_model_computes_curves(tiny_llama_dir: Path, data_file
     assert code == 0, stderr
     doc = json.loads(stdout)
     assert doc["budget"] == 0.4 and all(layer["gini"] is not None for layer in doc["layers"])
+    assert np.mean([layer["prefixkv_ratio"] for layer in doc["layers"]]) == pytest.approx(0.4, abs=1e-12)
+    # Measured now there is no shipped profile: the table shows PrefixKV's ratios and their spread.
+    code, stdout, stderr = run(
+        monkeypatch, capsys, "inspect", "gini", str(tiny_llama_dir), "--data", str(data_file), "--samples", "2",
+        "--budget", "0.4",
+    )
+    assert code == 0, stderr
+    assert "PrefixKV" in stdout and "Spread" in stdout and "Shipped" not in stdout and "corr(Gini, PrefixKV ratio)" in stdout
 
 
 def test_inspect_gini_plot(calibrated: Path, tmp_path: Path, monkeypatch, capsys) -> None:
@@ -334,12 +346,12 @@ def test_draft_default_is_the_library_default_and_reaches_the_profile(
 ) -> None:
     import inspect
 
-    from kvtool.calibrate.config import DEFAULT_DRAFT
+    from kvtool.calibration.config import DEFAULT_DRAFT
     from kvtool.cli.calibrate import calibrate_command, parse_draft
     from kvtool.profiles import Draft
 
     assert parse_draft(inspect.signature(calibrate_command).parameters["draft"].default) == (DEFAULT_DRAFT, False)
-    from kvtool.calibrate.config import DEFAULT_MAX_PROMPT_OVERHEAD
+    from kvtool.calibration.config import DEFAULT_MAX_PROMPT_OVERHEAD
     from kvtool.cli.calibrate import parse_overhead
 
     limit = inspect.signature(calibrate_command).parameters["max_prompt_overhead"].default

@@ -73,8 +73,8 @@ def test_profile_for_another_model_is_refused(tiny_llama_dir: Path, tmp_path: Pa
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--budget", "0"], "error: --budget must be a kept fraction in (0, 1]"),
-        (["--budget", "1.5"], "error: --budget must be a kept fraction in (0, 1]"),
+        (["--budget", "0"], "error: budget must be a kept fraction in (0, 1]"),
+        (["--budget", "1.5"], "error: budget must be a kept fraction in (0, 1]"),
         (["--profile", "no/such/profile.yaml"], "error: profile file not found: no/such/profile.yaml"),
     ],
 )

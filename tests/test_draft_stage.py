@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from kvtool.calibrate.drafted import draft_candidates, pick_drafted
-from kvtool.calibrate.passes import drafted_ppls, full_pass
-from kvtool.calibrate.recipes import RecipeSearch, SearchSpace, Trial, recipe_key
-from kvtool.calibrate.runner import calibrate
+from kvtool.calibration.drafted import draft_candidates, pick_drafted
+from kvtool.calibration.passes import drafted_ppls, full_pass
+from kvtool.calibration.recipes import RecipeSearch, SearchSpace, Trial, recipe_key
+from kvtool.calibration.runner import calibrate
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Draft, MethodSettings
 from kvtool.runtime import attach, uniform_profile

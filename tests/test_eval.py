@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvtool.data import load_jsonl
-from kvtool.evaluate import EvalConfig, evaluate
-from kvtool.evaluate.metrics import rouge_l_f1
+from kvtool.evaluation import EvalConfig, evaluate
+from kvtool.evaluation.metrics import rouge_l_f1
 from kvtool.models import load_model
 from kvtool.scoring import encode_prompt
 from cli_runner import run
@@ -63,7 +63,7 @@ def test_rouge_l_hand_computed():
 
 
 def test_rouge_l_standard_error_hand_computed():
-    from kvtool.evaluate.results import MethodResult
+    from kvtool.evaluation.results import MethodResult
 
     three = MethodResult("h2o", 0.2, 3.0, 0.4, 0.2, 10, rouge_l_per_prompt=(0.2, 0.4, 0.6))
     assert three.rouge_l_sem == pytest.approx(0.2 / math.sqrt(3))  # sample sd 0.2 over 3 prompts
@@ -186,7 +186,7 @@ def test_bad_input_is_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, ar
 
 
 def test_answer_accuracy_is_string_match_all():
-    from kvtool.evaluate.metrics import answer_accuracy
+    from kvtool.evaluation.metrics import answer_accuracy
 
     assert answer_accuracy("The numbers are 1234567 and 7654321.", ["1234567", "7654321"]) == 1.0
     assert answer_accuracy("The number is 1234567.", ["1234567", "7654321"]) == 0.5
@@ -264,7 +264,7 @@ def test_score_from_leaves_the_first_tokens_out(loaded, prompts_file):
         if a.top1:
             assert [x - y for x, y in zip(a.top1, b.top1)] == list(c.top1)
     # ROUGE-L compares the outputs from token 2 on: both texts are decoded from their third token.
-    from kvtool.evaluate.runner import _texts
+    from kvtool.evaluation.runner import _texts
     from kvtool.scoring import References
 
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])

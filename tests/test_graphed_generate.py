@@ -1,9 +1,9 @@
 """`generate` through `Decoder` steps (runtime.graphed_generate) gives transformers' own loop's sequences.
 
-On a GPU the loop replays a CUDA graph; here it runs the same fixed-slot steps eagerly (`MODE =
-"fixed"`) and is compared with transformers' loop (`MODE = "off"`) through `handle.generate`: greedy and
-sampled, with and without the verified draft, left-padded rows, a row that stops at EOS while the
-other goes on, and the cases that must keep transformers' loop.
+On a GPU the loop replays a CUDA graph; here it runs the same fixed-slot steps eagerly
+(`use_settings(generate_loop="fixed")`) and is compared with transformers' loop (`generate_loop="off"`)
+through `handle.generate`: greedy and sampled, with and without the verified draft, left-padded rows,
+a row that stops at EOS while the other goes on, and the cases that must keep transformers' loop.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kvtool.profiles import Draft
 from kvtool.runtime import attach, graphed_generate
 from kvtool.runtime.draft import generate as draft_generate
 from kvtool.runtime.graphed_generate import loop_for
+from kvtool.runtime.settings import use_settings
 from test_runtime_rules import recipe_profile
 from tiny_models import left_pad, prompts, tiny_llama
 
@@ -39,10 +40,9 @@ def both_loops(model, profile, monkeypatch, **kwargs):
     monkeypatch.setattr(graphed_generate, "_decode", lambda *args: used.append(1) or decode(*args))
     inputs = left_pad(prompts([40, 27], seed=3))
     for mode in ("off", "fixed"):
-        monkeypatch.setattr(graphed_generate, "MODE", mode)
         if kwargs.get("do_sample"):
             torch.manual_seed(7)
-        with torch.no_grad(), attach(model, profile) as handle:
+        with use_settings(generate_loop=mode), torch.no_grad(), attach(model, profile) as handle:
             sequences, cache = draft_generate(model, inputs, handle.bare_cache, profile.method.draft, **kwargs)
         runs.append(sequences)
         caches.append(cache)
@@ -83,9 +83,8 @@ def test_one_new_token_and_what_keeps_transformers_loop(llama, monkeypatch):
     profile = recipe_profile(llama)
     theirs, ours, used = both_loops(llama, profile, monkeypatch, max_new_tokens=1, pad_token_id=0, do_sample=False)
     assert used == 1 and torch.equal(theirs, ours)
-    monkeypatch.setattr(graphed_generate, "MODE", "fixed")
     inputs = left_pad(prompts([30], seed=2))
-    with attach(llama, profile) as handle:
+    with use_settings(generate_loop="fixed"), attach(llama, profile) as handle:
         cache = handle.bare_cache()
         assert "custom_generate" in loop_for(llama, cache, inputs, {"max_new_tokens": 4})
         for kwargs in (
@@ -93,6 +92,5 @@ def test_one_new_token_and_what_keeps_transformers_loop(llama, monkeypatch):
         ):
             assert loop_for(llama, cache, inputs, kwargs) == {}, kwargs
         assert loop_for(llama, cache, {**inputs, "pixel_values": torch.zeros(1)}, {}) == {}
-    monkeypatch.setattr(graphed_generate, "MODE", "auto")  # a CPU: transformers' loop
-    with attach(llama, profile) as handle:
+    with use_settings(generate_loop="auto"), attach(llama, profile) as handle:  # a CPU: transformers' loop
         assert loop_for(llama, handle.bare_cache(), inputs, {}) == {}

@@ -1,5 +1,5 @@
 """The `measured` ratio source: the allocation by measured loss against a brute force, its re-budgeting,
-and calibration's layer-loss measurement (`kvtool.calibrate.layer_loss`) against independent
+and calibration's layer-loss measurement (`kvtool.calibration.layer_loss`) against independent
 computations: the scores against eager attention's probabilities, the masked reference against
 head_budgets' one-forward probe (itself checked against a float64 loop), the layer skip against a
 whole forward, and nothing masked against the model's own logits."""
@@ -18,11 +18,11 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from kvtool.calibrate import layer_loss
-from kvtool.calibrate.layer_loss import WINDOW, POOL, _Attention, _Layers, keep_mask, measure_layer_losses, nll_per_token
+from kvtool.calibration import layer_loss
+from kvtool.calibration.layer_loss import WINDOW, POOL, _Attention, _Layers, keep_mask, measure_layer_losses, nll_per_token
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
-from kvtool.profiles.budget import rebudget
+from kvtool.profiles.whole_cache import rebudget
 from kvtool.profiles.loss_budget import clean_curves, interpolate, solve_by_loss
 from kvtool.runtime.importance.union import rank_share
 from tiny_models import left_pad, profile_with, prompts, tiny_gemma3, tiny_llama
@@ -226,7 +226,7 @@ def test_inspect_gini_shows_each_layers_measured_loss(tmp_path, monkeypatch, cap
 def test_calibration_ships_ratios_from_measured_loss(tmp_path):
     from test_calibrate import FAST, loaded, word_prompts
 
-    from kvtool.calibrate.runner import calibrate
+    from kvtool.calibration.runner import calibrate
     from kvtool.profiles import read_profile
 
     model = loaded(tiny_llama(dtype=torch.float32, layers=3, seed=3))
@@ -248,7 +248,7 @@ def test_calibration_ships_ratios_from_measured_loss(tmp_path):
 def test_a_hybrid_model_measures_its_full_attention_layers_and_its_windows_rebudget_them():
     from test_calibrate import loaded, word_prompts
 
-    from kvtool.calibrate.runner import calibrate
+    from kvtool.calibration.runner import calibrate
     from kvtool.profiles import whole_cache
 
     gemma = tiny_gemma3(dtype=torch.float32)

@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parents[1] / "kvtool"
 
 # Lowest first. A module may import from its own layer and every layer before it.
 LAYERS = (
-    ("kvtool", "kvtool.errors", "kvtool.files", "kvtool.units"),
+    ("kvtool.errors", "kvtool.files", "kvtool.units", "kvtool.version"),
     ("kvtool.profiles",),
     ("kvtool.models",),
     ("kvtool.runtime",),
     ("kvtool.data", "kvtool.scoring"),
-    ("kvtool.calibrate",),
-    ("kvtool.evaluate", "kvtool.bench"),
+    ("kvtool.calibration",),
+    ("kvtool.evaluation", "kvtool.bench"),
     ("kvtool.cli",),
+    # The package's face (kvtool/__init__.py): it names the public API of every layer, and no
+    # module of kvtool imports it.
+    ("kvtool",),
 )
 
 

@@ -224,8 +224,8 @@ def test_batch_is_left_padded(tiny_llama_dir: Path) -> None:
 
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:
-    """Run `code` in a fresh interpreter whose environment lacks kvtool's defaults (this test
-    session has set them), with this checkout importable."""
+    """Run `code` in a fresh interpreter whose environment lacks kvtool's defaults (the test
+    process has set them), with this checkout importable."""
     from kvtool.models.hf_env import _ENV_DEFAULTS
 
     env = {key: value for key, value in os.environ.items() if key not in _ENV_DEFAULTS}

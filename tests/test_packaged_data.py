@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "kvtool" / "data"
 KINDS = {"document", "image", "chat", "code", "retrieval", "long-answer"}
-# Calibration has every kind, its long-answer rows scored on 256-token references (issue 50).
+# Calibration has every kind, its long-answer rows scored on 256-token references (config.LONG_REFERENCE_TOKENS).
 CALIBRATION_KINDS = KINDS
 NOISE = "RULER noise filler"  # the fixed filler paragraph both sets' noise haystacks repeat
 REQUIRED = {"prompt", "kind", "task", "sources", "tokens_smollm2"}

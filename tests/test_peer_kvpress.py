@@ -57,7 +57,7 @@ def test_accuracy_is_the_share_of_answers_found_ignoring_case():
     [("the cat sat on the mat", "the cat sat"), ("", ""), ("", "something"), ("a b c d", "d c b a"), ("x", "y")],
 )
 def test_rouge_l_is_kvtools(prediction, target):
-    from kvtool.evaluate.metrics import rouge_l_f1
+    from kvtool.evaluation.metrics import rouge_l_f1
 
     assert peer.rouge_l_f1(prediction, target) == rouge_l_f1(prediction, target)
 

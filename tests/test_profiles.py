@@ -603,7 +603,7 @@ def test_an_old_profile_with_retired_and_flat_draft_keys_loads(
 ) -> None:
     """A profile written before the draft became one value and the lookahead and reused drafts were
     retired loads through the legacy-keys table: the flat draft keys become `Draft`, the retired
-    keys are dropped, and saving writes today's form only."""
+    keys are dropped, and saving writes the current form only."""
     good_document["method"].update(OLD_METHOD_KEYS)
     loaded = read_profile(write_document(tmp_path / "old.yaml", good_document))
     assert loaded.method.draft == Draft(tokens=64, rounds=2, verify=True)

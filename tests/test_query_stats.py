@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from kvtool.calibrate.queries import record_query_stats
+from kvtool.calibration.queries import record_query_stats
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
 from kvtool.models.queries import query_taps
@@ -192,8 +192,8 @@ def test_expected_attention_without_statistics_is_a_one_line_error() -> None:
 def test_a_calibrated_expected_attention_profile_is_saved_loaded_and_applied(tmp_path: Path, scorer: str, eviction: str) -> None:
     """Calibration records the statistics, ships them with a profile whose scorer or generation rule
     reads them, and the loaded profile generates as the one calibration returned."""
-    from kvtool.calibrate.recipes import SearchSpace
-    from kvtool.calibrate.runner import calibrate
+    from kvtool.calibration.recipes import SearchSpace
+    from kvtool.calibration.runner import calibrate
     from kvtool.runtime import load_profile
     from test_calibrate import loaded, word_prompts
 
@@ -240,8 +240,8 @@ def test_models_the_scorer_cannot_run_on_are_named() -> None:
 
 def test_calibration_leaves_the_scorer_out_where_it_cannot_run(monkeypatch) -> None:
     """The search tries every scorer the model can run; asking for this one there is a one-line error."""
-    import kvtool.calibrate.runner as runner
-    from kvtool.calibrate.recipes import SearchSpace
+    import kvtool.calibration.runner as runner
+    from kvtool.calibration.recipes import SearchSpace
     from test_calibrate import loaded, word_prompts
 
     monkeypatch.setattr(runner, "unsupported", lambda model: "tiny: no RoPE the scorer can read")
@@ -278,8 +278,8 @@ def test_the_full_pass_learns_the_statistics_it_then_scores_by(make) -> None:
     forward of their own) and scores the kept prompt states afterwards: the statistics of plain
     forwards (to rounding), the expected-attention curves of a pass handed them, and recorded scores
     that compress a prompt as a pass handed them would."""
-    from kvtool.calibrate.passes import full_pass
-    from kvtool.calibrate.queries import QueryRecorder
+    from kvtool.calibration.passes import full_pass
+    from kvtool.calibration.queries import QueryRecorder
 
     model = make()
     batches = make_batches([s.tolist() for s in prompts([19, 26, 23])], 2, 0)

@@ -149,7 +149,7 @@ def test_every_layer_meets_its_ratio_exactly(llama):
 
 
 def test_share_table_equals_the_plans_keep_for_every_token_count():
-    from kvtool.runtime.grouped import RowShares
+    from kvtool.runtime.layer.grouped import RowShares
     from kvtool.runtime.layer import CompressingLayer, LayerPlan
     from kvtool.runtime.merge import merge_rule
 

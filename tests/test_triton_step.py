@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from kvtool.runtime import uniform_profile  # noqa: E402
 from kvtool.runtime.kernels import triton_step  # noqa: E402
+from kvtool.runtime.settings import use_settings  # noqa: E402
 from test_fixed_slots import RECIPES, _decode, _prompt  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
@@ -39,7 +40,6 @@ def models():
 def fused(monkeypatch):
     """The fused step on, in the interpreter; the list of its calls."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_step, "FUSED", True)
     calls = []
     step = triton_step.decode_step
 
@@ -48,7 +48,8 @@ def fused(monkeypatch):
         return step(*args, **kwargs)
 
     monkeypatch.setattr(triton_step, "decode_step", counted)
-    return calls
+    with use_settings(fused_decode_step=True):
+        yield calls
 
 
 @pytest.mark.parametrize(
@@ -60,13 +61,13 @@ def fused(monkeypatch):
 )
 def test_the_fused_step_decodes_what_the_eager_step_decodes(models, fused, monkeypatch, lengths, programs, split_gains) -> None:
     monkeypatch.setattr(triton_step, "TARGET_PROGRAMS", programs)
-    monkeypatch.setattr(triton_step, "SPLIT_GAINS", split_gains)
     model, single = models
     profile = uniform_profile(model, 0.3, SHIPPED)
     prompt = _prompt(lengths)
     eager_tokens, eager_logits, eager = _decode(model, profile, prompt, "fixed", steps=STEPS)
     calls_before = len(fused)
-    tokens, logits, cache = _decode(single, profile, prompt, "fixed", steps=STEPS)
+    with use_settings(split_victim_search=split_gains):
+        tokens, logits, cache = _decode(single, profile, prompt, "fixed", steps=STEPS)
     assert len(fused) - calls_before == STEPS * 3  # every step of every layer went through the kernels
     assert torch.equal(tokens, eager_tokens)
     torch.testing.assert_close(logits.double(), eager_logits, rtol=1e-5, atol=1e-5)
@@ -88,15 +89,15 @@ def test_the_fused_step_decodes_what_the_eager_step_decodes(models, fused, monke
 
 @pytest.mark.parametrize("recipe", ["tova, per-head", "fixed-point, shared", "prompt-only"])
 def test_layers_the_kernels_do_not_cover_keep_the_eager_step(models, fused, recipe: str) -> None:
-    """Other rules and shared heads step as before, with `FUSED` on."""
+    """Other rules and shared heads step as before, with `fused_decode_step` on."""
     _, single = models
     profile = uniform_profile(single, 0.3, RECIPES[recipe])
     prompt = _prompt([40, 27])
     calls_before = len(fused)
     tokens, logits, _ = _decode(single, profile, prompt, "fixed", steps=STEPS)
     assert len(fused) == calls_before
-    triton_step.FUSED = False  # (monkeypatched: restored after the test)
-    plain_tokens, plain_logits, _ = _decode(single, profile, prompt, "fixed", steps=STEPS)
+    with use_settings(fused_decode_step=False):
+        plain_tokens, plain_logits, _ = _decode(single, profile, prompt, "fixed", steps=STEPS)
     assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits)
 
 

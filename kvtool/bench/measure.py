@@ -8,7 +8,7 @@ of each metric over the rounds, with every run kept in the report.
 A run is one prompt forward followed by `new_tokens` one-token greedy decode forwards in a plain
 loop (no `generate`, so the timings contain nothing but the model and the cache).
 
-Over 300 lines because the runs, the side-by-side decode and the statistics share one notion of
+Over 400 lines because the runs, the side-by-side decode and the statistics share one notion of
 what is timed; split, a reader would have to hold three files to know what a figure means.
 """
 

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import KV_FORMAT_HELP, check_choice, choose_cache_profile
 
 DEFAULT_BUDGET = 0.2
 
@@ -55,6 +55,7 @@ def bench_command(
             "so the machine's drift between runs cannot skew the decode ratio.",
         ),
     ] = True,
+    kv_format: Annotated[str, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = "native",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Measure the full cache, a kvtool cache and a truncated dense cache (the ceiling) in one process.
@@ -84,7 +85,7 @@ def bench_command(
         budget = DEFAULT_BUDGET
     loaded = load_model(model)
     config.check_fits(loaded.model)
-    chosen = choose_cache_profile(loaded, budget, profile)
+    chosen = choose_cache_profile(loaded, budget, profile, kv_format)
     assert chosen is not None  # a budget or a profile is always given here
     kv_profile, profile_note = chosen
     ids = long_prompts(loaded.tokenizer, config.prompt_tokens, config.batch).to(loaded.model.device)

@@ -1,73 +1,28 @@
 """`kvtool calibrate MODEL --budget B`: measure a model's per-layer importance and write a profile.
 
-Over 300 lines because most of it is the options' help text and the progress display of the
-calibration's stages, which belong with the command they describe.
+Over 300 lines because most of it is the options' help text and the report of what calibration
+chose, which belong with the command they describe.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
-from kvtool.cli.openmp import choose_openmp_wait
+from kvtool.cli.progress import StageBars
 from kvtool.errors import KvtoolError
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
-    from kvtool.calibrate.runner import CalibrationResult
-    from kvtool.calibrate.truncation import TruncationResult
-
-
-class StageBars:
-    """Rich progress bars on stderr, one per calibration stage, each created when its stage first
-    reports. The display starts with the first report, so an early error prints nothing else.
-
-    The bars are redrawn from the reports, at most every REDRAW_SECONDS, not by rich's refresh
-    thread: that thread redraws ten times a second and takes the interpreter lock from the one-token
-    loops it reports on; what they cost is in docs/results.md, "Calibration time"."""
-
-    REDRAW_SECONDS = 0.5
-
-    def __init__(self, console: Console) -> None:
-        self._progress = Progress(
-            TextColumn("{task.description:<19}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            auto_refresh=False,
-        )
-        self._tasks: dict[str, TaskID] = {}
-        self._started = False
-        self._drawn = 0.0
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if not self._started:
-            self._progress.start()
-            self._started = True
-        if stage not in self._tasks:
-            self._tasks[stage] = self._progress.add_task(stage, total=max(total, 1))
-        self._progress.update(self._tasks[stage], completed=min(done, total), total=max(total, 1))
-        now = time.monotonic()
-        if done >= total or now - self._drawn >= self.REDRAW_SECONDS:
-            self._progress.refresh()
-            self._drawn = now
-
-    def __enter__(self) -> "StageBars":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._started:
-            self._progress.stop()
+    from kvtool.calibration.runner import CalibrationResult
+    from kvtool.calibration.truncation import TruncationResult
 
 
 # SearchSpace fields `--space` may set, and how each value is read. D candidates and merge modes
@@ -100,7 +55,7 @@ def search_space(base: Any, options: list[str]) -> Any:
     return dataclasses.replace(base, **changes)
 
 
-# `--draft`'s default: kvtool.calibrate.config.DEFAULT_DRAFT (a test keeps them equal; importing it here costs torch).
+# `--draft`'s default: kvtool.calibration.config.DEFAULT_DRAFT (a test keeps them equal; importing it here costs torch).
 DRAFT_DEFAULT = "32,rounds=2,verify"
 
 
@@ -162,7 +117,7 @@ def calibrate_command(
             "length you serve (eviction needs about D / (1 - budget) steps to reach generated tokens). Prompts of "
             "kind long-answer get 256-token ones.",
         ),
-    ] = 64,  # kvtool.calibrate.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
+    ] = 64,  # kvtool.calibration.config.REFERENCE_TOKENS (a test keeps them equal; importing it here costs torch)
     draft: Annotated[
         str,
         typer.Option(
@@ -188,7 +143,7 @@ def calibrate_command(
             "that fits (half the tokens down to 32, then one round fewer, then half the tokens, then none). 'none': measure and record only. The "
             "profile records the measured overhead; `kvtool inspect profile` shows it.",
         ),
-    ] = "4",  # kvtool.calibrate.config.DEFAULT_MAX_PROMPT_OVERHEAD (a test keeps them equal)
+    ] = "4",  # kvtool.calibration.config.DEFAULT_MAX_PROMPT_OVERHEAD (a test keeps them equal)
     budget_tokens: Annotated[
         int,
         typer.Option(
@@ -198,15 +153,14 @@ def calibrate_command(
             "Recorded in the profile; calibration splits the budget between shorter sliding windows and the "
             "full-attention layers by measured PPL on prompts past the window.",
         ),
-    ] = 4096,  # kvtool.calibrate.config.DEFAULT_BUDGET_TOKENS (a test keeps them equal)
+    ] = 4096,  # kvtool.calibration.config.DEFAULT_BUDGET_TOKENS (a test keeps them equal)
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
-    choose_openmp_wait()
     # Imported here so `kvtool --help` does not pay for torch/transformers.
-    from kvtool.profiles.budget import check_budget
-    from kvtool.calibrate.config import DEFAULT_MERGE_MODES, CalibrateConfig
-    from kvtool.calibrate.recipes import SearchSpace
-    from kvtool.calibrate.runner import calibrate
+    from kvtool.profiles.kept_fraction import check_budget
+    from kvtool.calibration.config import DEFAULT_MERGE_MODES, CalibrateConfig
+    from kvtool.calibration.recipes import SearchSpace
+    from kvtool.calibration.runner import calibrate
     from kvtool.files import check_writable
     from kvtool.profiles import MERGE_MODES, MethodSettings
 
@@ -347,7 +301,7 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
 
 
 def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
-    from kvtool.calibrate.recipes import describe
+    from kvtool.calibration.recipes import describe
 
     chosen = result.recipes
     picked = chosen.picked
@@ -373,7 +327,7 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
         f"{chosen.search.ppl_of(chosen.search.start):.3f}) over {chosen.tokens} reference tokens",
     )
     if chosen.held_out:
-        from kvtool.calibrate.recipes import recipe_key
+        from kvtool.calibration.recipes import recipe_key
 
         held = chosen.held_out
         verdict = {True: "confirmed", False: "NOT confirmed", None: "nothing to confirm"}[chosen.confirmed]
@@ -388,7 +342,7 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
 
 
 def add_draft_stage_facts(facts: Table, chosen) -> None:
-    from kvtool.calibrate.recipes import describe, recipe_key
+    from kvtool.calibration.recipes import describe, recipe_key
 
     stage = chosen.drafted
     scored = ", ".join(f"{describe(s).split(' · ')[0]} / {s.ratios} ratios {stage.choosing[recipe_key(s)]:.3f}" for s in stage.candidates)

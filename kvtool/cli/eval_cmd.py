@@ -14,13 +14,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtool.cli.app import app
-from kvtool.cli.calibrate import StageBars
-from kvtool.cli.openmp import choose_openmp_wait
+from kvtool.cli.profile_choice import KV_FORMAT_HELP
+from kvtool.cli.progress import StageBars
 from kvtool.errors import KvtoolError
 from kvtool.files import check_writable, write_text_atomic
 
 if TYPE_CHECKING:
-    from kvtool.evaluate import EvalReport
+    from kvtool.evaluation import EvalReport
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -81,6 +81,13 @@ def eval_command(
             "the whole output): judges only what comes after the answer's first K tokens.",
         ),
     ] = 0,
+    kv_format: Annotated[
+        str,
+        typer.Option(
+            "--kv-format",
+            help="Every method: " + KV_FORMAT_HELP,
+        ),
+    ] = "native",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
     kinds: Annotated[
@@ -104,16 +111,17 @@ def eval_command(
     the compressed cache (eviction active), ROUGE-L of the compressed greedy output against the full
     cache's, and the physical KV bytes kept. References are the data's answers, else the full cache's
     greedy output."""
-    choose_openmp_wait()
     from kvtool.data import load_jsonl
-    from kvtool.evaluate import EvalConfig, evaluate
+    from kvtool.evaluation import EvalConfig, evaluate
     from kvtool.runtime import load_profile
     from kvtool.runtime.methods import get_method
 
     names = parse_list(methods, "methods")
     for name in names:
         get_method(name)
-    config = EvalConfig(tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens, score_from).checked()
+    config = EvalConfig(
+        tuple(names), parse_budgets(budgets), max_new_tokens, batch_size, max_prompt_tokens, score_from, kv_format
+    ).checked()
     records = load_jsonl(data) if data is not None else None
     if kinds is not None or per_kind or long_prompts:
         from kvtool.data import EVALUATION_DATA, of_kinds, packaged_data
@@ -155,7 +163,7 @@ def eval_command(
         write_text_atomic(json_out, json.dumps(report.to_dict(), indent=2) + "\n", "JSON")
         Console(stderr=True).print(f"wrote {json_out}")
     if plot is not None:
-        from kvtool.evaluate.plot import plot_report
+        from kvtool.evaluation.plot import plot_report
 
         plot_report(report, plot)
         Console(stderr=True).print(f"wrote {plot}")
@@ -176,6 +184,9 @@ def render(console: Console, report: EvalReport) -> None:
         table.add_column("accuracy", justify="right")
     table.add_column("top-1", justify="right")
     table.add_column("KV kept", justify="right")
+    wide = report.native_bytes > 2  # a float32 model: also the share of a 16-bit cache (what GPUs serve)
+    if wide:
+        table.add_column("of 16-bit", justify="right")
     table.add_column("KV peak", justify="right")
     budgets = list(dict.fromkeys(r.budget for r in report.results))
     for budget in budgets:
@@ -195,7 +206,8 @@ def render(console: Console, report: EvalReport) -> None:
                 cells.append(f"[bold]{accuracy}[/]" if r.accuracy == best_accuracy and several else accuracy)
             cells.append("-" if r.agreement is None else f"{r.agreement:.1%}")
             peak = "-" if math.isnan(r.kv_peak_fraction) else f"{r.kv_peak_fraction:.1%}"
-            table.add_row(*cells, f"{r.kv_fraction:.1%}", peak, end_section=i == len(rows) - 1)
+            sixteen = [f"{report.share_of_16bit(r.kv_fraction):.1%}"] if wide else []
+            table.add_row(*cells, f"{r.kv_fraction:.1%}", *sixteen, peak, end_section=i == len(rows) - 1)
     console.print(table)
     if len(report.kind_rows) > 1:
         console.print(kind_table(report))
@@ -210,7 +222,9 @@ def render(console: Console, report: EvalReport) -> None:
         f"({report.references}){accuracy[0]}; ROUGE-L is against the full cache's greedy output (1.0 = identical; "
         f"± one standard error over prompts){accuracy[1]}; top-1 is the share of reference tokens the compressed "
         f"cache itself ranks first when fed the reference (greedy output leaves the full cache's at the first miss); "
-        f"KV kept / peak: physical KV bytes at the end / the most after any step, over the full cache's at the end."
+        f"KV kept / peak: physical KV bytes at the end / the most after any step, over the full cache's at the end"
+        + (f" (entries stored as {report.kv_format})" if report.kv_format != "native" else "")
+        + ("; of 16-bit: the same bytes over a 16-bit full cache's" if wide else "") + "."
         + (f" PPL, top-1 and ROUGE-L leave out the first {report.score_from} tokens." if report.score_from else ""),
         soft_wrap=True,
     )
@@ -225,7 +239,7 @@ def render(console: Console, report: EvalReport) -> None:
 def position_table(report: EvalReport) -> Table:
     """PPL by where the token sits in the answer: the draft helps the first tokens, and a pooled
     PPL over long answers would hide where that help ends."""
-    from kvtool.evaluate.results import POSITION_BUCKETS, bucket_label
+    from kvtool.evaluation.results import POSITION_BUCKETS, bucket_label
 
     table = Table(title="PPL by answer position (ratio to the full cache's)")
     table.add_column("budget", justify="right")

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import KV_FORMAT_HELP, check_choice, choose_cache_profile
 from kvtool.units import human_bytes
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
@@ -115,6 +115,7 @@ def generate_command(
             "small budget leave some layers a handful of entries. 0 (default): the budget alone.",
         ),
     ] = 0,
+    kv_format: Annotated[str, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = "native",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Generate continuations for PROMPTs as one batch; report timing and KV-cache bytes."""
@@ -128,7 +129,7 @@ def generate_command(
     check_prompts(prompts)  # before the slow model load
     check_choice(budget, profile)
     loaded = load_model(model)
-    chosen = choose_cache_profile(loaded, budget, profile)
+    chosen = choose_cache_profile(loaded, budget, profile, kv_format)
     handle = None
     cache_factory = draft = None
     cache_note = "full (uncompressed) cache"

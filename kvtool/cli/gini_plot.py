@@ -1,4 +1,5 @@
-"""The `inspect gini --plot` figure: Lorenz curves per layer (PrefixKV Fig. 2) and ratio + Gini per layer (Fig. 4)."""
+"""The `inspect gini --plot` figure: Lorenz curves per layer (PrefixKV Fig. 2) and, per layer, PrefixKV's and
+the shipped ratio beside the Gini (Fig. 4)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ def require_matplotlib() -> None:
         raise KvtoolError(f"--plot needs matplotlib, which is the optional extra kvtool[plot]: {EXTRA_HINT}") from None
 
 
-def plot_profile(profile: Profile, path: Path) -> Path:
+def plot_profile(profile: Profile, path: Path, prefixkv: Profile | None = None, p: float | None = None,
+                 *, shipped: bool = True) -> Path:
+    """Left: each compressing layer's Lorenz curve, marked where PrefixKV's ratio (`prefixkv`: the
+    profile with PrefixKV's ratios, `p` its retention level) and the shipped ratio cut it. Right: both
+    ratios and the Gini per layer. `shipped` False: `profile` was measured now, and only PrefixKV's
+    ratios are drawn."""
     require_matplotlib()
     import matplotlib
 
@@ -33,25 +39,29 @@ def plot_profile(profile: Profile, path: Path) -> Path:
     if not compressed:
         raise KvtoolError("this profile stores no priority curves (uniform profile?): nothing to plot; calibrate one first")
     budget = profile.budget
-    p = profile.calibration.retention_p if profile.calibration else None
+    theirs = [prefixkv.layers[i].ratio if prefixkv is not None else np.nan for i, _ in compressed]
+    ours = [layer.ratio for _, layer in compressed]
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
     colors = plt.get_cmap("viridis")(np.linspace(0.0, 1.0, len(compressed)))
-    for (index, layer), color in zip(compressed, colors):
+    for (index, layer), color, prefix_ratio in zip(compressed, colors, theirs):
         curve = np.asarray(layer.priority_curve)
         x = grid(len(curve))
         lorenz = lorenz_curve(curve)
         left.plot(x, lorenz, color=color, linewidth=1.0, label=f"layer {index}" if len(compressed) <= 12 else None)
-        # Uniform ratio: every layer keeps the top `budget` share of tokens; what it drops is the
-        # Lorenz value at 1 - budget, different for every layer.
-        left.plot(1.0 - budget, np.interp(1.0 - budget, x, lorenz), "o", color=color, markersize=4)
         # PrefixKV: each layer at its own ratio, which drops the same share 1 - p of importance in
         # every layer (layers held up by the minimum ratio drop less, so their marks sit lower).
-        left.plot(1.0 - layer.ratio, np.interp(1.0 - layer.ratio, x, lorenz), "x", color=color, markersize=5)
+        if np.isfinite(prefix_ratio):
+            left.plot(1.0 - prefix_ratio, np.interp(1.0 - prefix_ratio, x, lorenz), "x", color=color, markersize=5)
+        # The shipped ratio: what the layer drops of its importance there, whatever chose the ratio.
+        if shipped:
+            left.plot(1.0 - layer.ratio, np.interp(1.0 - layer.ratio, x, lorenz), "o", color=color, markersize=4,
+                      markerfacecolor="none")
     left.plot([0, 1], [0, 1], "k--", linewidth=1, label="equality")
-    left.axvline(1.0 - budget, color="grey", linestyle=":", linewidth=1, label=f"uniform ratio {budget:g} (o)")
     if p is not None:
         left.axhline(1.0 - p, color="tab:red", linestyle=":", linewidth=1, label=f"PrefixKV retention p={p:.3f} (x)")
+    if shipped:
+        left.plot([], [], "o", color="grey", markerfacecolor="none", label="shipped ratio (o)")
     left.set(
         xlabel="fraction of tokens, least important first",
         ylabel="cumulative share of importance",
@@ -61,18 +71,32 @@ def plot_profile(profile: Profile, path: Path) -> Path:
     )
     left.legend(fontsize=7, loc="upper left")
 
-    layers = [index for index, _ in compressed]
-    ratios = [layer.ratio for _, layer in compressed]
+    layers = np.array([index for index, _ in compressed], dtype=np.float64)
     ginis = [layer.gini if layer.gini is not None else np.nan for _, layer in compressed]
-    right.bar(layers, ratios, color="tab:blue", alpha=0.7, label="kept ratio")
-    right.axhline(budget, color="tab:blue", linestyle=":", linewidth=1, label=f"budget {budget:g}")
-    right.set(xlabel="layer", ylabel="kept ratio", title="Per-layer kept ratio and Gini coefficient")
+    # Bars side by side at each layer's index; on a hybrid model only the full-attention layers carry
+    # ratios, so the bars take the gap to the next compressing layer into account.
+    gap = float(np.min(np.diff(layers))) if len(layers) > 1 else 1.0
+    width = 0.4 * gap if shipped else 0.8 * gap
+    offset = width / 2 if shipped else 0.0
+    right.bar(layers - offset, theirs, width=width, color="tab:purple", alpha=0.75, label="PrefixKV ratio")
+    if shipped:
+        right.bar(layers + offset, ours, width=width, color="tab:cyan", alpha=0.75, label="shipped ratio")
+    full_mean = float(np.mean(ours))
+    right.axhline(full_mean, color="grey", linestyle=":", linewidth=1,
+                  label=f"mean ratio {full_mean:.3f}" + ("" if abs(full_mean - budget) < 5e-3 else f" (budget {budget:g} of the whole cache)"))
+    windows = sorted({layer.window for layer in profile.layers if layer.window is not None})
+    kinds = "full-attention layers" if windows else "layer"
+    right.set(xlabel=kinds, ylabel="kept ratio", title="Per-layer kept ratio and Gini coefficient")
+    if windows:
+        right.set_xticks(layers)
+        right.set_title(f"Per-layer kept ratio and Gini (sliding layers: windows of {', '.join(map(str, windows))})")
     twin = right.twinx()
     twin.plot(layers, ginis, "o-", color="tab:orange", label="Gini")
     twin.set_ylabel("Gini")
     handles = right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    right.legend(handles=handles, fontsize=8, loc="upper right")
-    fig.suptitle(f"{profile.model.name} · budget {budget:g}", fontsize=10)
+    right.legend(handles=handles, fontsize=8, loc="best")
+    fig.suptitle(f"{profile.model.name} · budget {budget:g}" + (f" · shipped ratios: {profile.method.ratios}" if shipped else ""),
+                 fontsize=10)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

@@ -7,42 +7,64 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from kvtool.cli.calibrate import StageBars
+from kvtool.cli.progress import StageBars
 from kvtool.errors import KvtoolError
+from kvtool.profiles.kept_fraction import check_budget
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
     from kvtool.profiles import Profile
 
 
+# `--kv-format`'s help, the same in every command that takes it.
+KV_FORMAT_HELP = (
+    "How kept entries are stored: native, int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES (int8/int4-g32). "
+    "The budget stays a share of the native cache's bytes, so a lower precision keeps more entries."
+)
+
+
 def check_choice(budget: float | None, profile_path: Path | None) -> None:
     """The cheap checks, before any model is loaded."""
-    if budget is not None and not 0.0 < budget <= 1.0:
-        raise KvtoolError(f"--budget must be a kept fraction in (0, 1], got {budget:g}")
+    if budget is not None:
+        check_budget(budget)
     if profile_path is not None and not profile_path.is_file():
         raise KvtoolError(f"profile file not found: {profile_path}")
 
 
-def choose_cache_profile(loaded: Any, budget: float | None, profile_path: Path | None) -> tuple[Profile, str] | None:
+def choose_cache_profile(
+    loaded: Any, budget: float | None, profile_path: Path | None, kv_format: str = "native"
+) -> tuple[Profile, str] | None:
     """The profile and a line saying where it came from; None = the plain full cache.
 
     `--profile` alone runs that profile as calibrated; with a budget (and for `--budget` alone)
-    `kvtool.calibrate.choose` decides, as it does for `kvtool eval`: the same budget means the same
-    cache in every command.
+    `kvtool.calibration.choose` decides, as it does for `kvtool eval`: the same budget means the same
+    cache in every command. A quantized `kv_format` spends the same bytes on more entries: the
+    profile comes from the calibrated one nearest that share of entries (`precision.at_storage`).
     """
     # Imported here so `kvtool --help` does not pay for torch/transformers.
-    from kvtool.calibrate.choose import choose_profile
+    from kvtool.calibration.choose import choose_profile
     from kvtool.runtime import load_profile
+    from kvtool.runtime.precision import KVStorage, at_storage, entries_for
 
     check_choice(budget, profile_path)
+    storage = KVStorage.parse(kv_format)
     if budget is None and profile_path is None:
+        if storage.quantized:
+            raise KvtoolError("--kv-format needs --budget or --profile (the full cache keeps the model's own precision)")
         return None
     if budget is None:
         profile = load_profile(profile_path)
-        return profile, f"profile {profile_path} (budget {profile.budget:g})"
+        stored = at_storage(profile, storage, loaded.model, source=str(profile_path))
+        return stored, f"profile {profile_path} (budget {profile.budget:g}{_stored_as(storage)})"
     err = Console(stderr=True)
     with StageBars(err) as bars:
         chosen = choose_profile(
-            loaded, budget, profile_path=profile_path, progress=bars,
+            loaded, entries_for(budget, storage, loaded.model), profile_path=profile_path, progress=bars,
             notify=lambda line: err.print(f"[yellow]{line}[/]", soft_wrap=True),
         )
-    return chosen.profile, chosen.source
+    if not storage.quantized:
+        return chosen.profile, chosen.source
+    return at_storage(chosen.profile, storage, loaded.model, budget=budget), chosen.source + _stored_as(storage)
+
+
+def _stored_as(storage: Any) -> str:
+    return f"; entries stored as {storage.name}" if storage.quantized else ""

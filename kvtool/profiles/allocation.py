@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.lorenz import check_curve, mean_curve
 
 __all__ = [
@@ -46,13 +47,6 @@ class Allocation:
     p: float
     ratios: np.ndarray  # [L], read-only, mean == budget
     iterations: int
-
-
-def _check_budget(budget: float) -> float:
-    b = float(budget)
-    if not (0.0 < b <= 1.0):  # also rejects NaN
-        raise ValueError(f"budget is the kept fraction and must be in (0, 1], got {budget!r}")
-    return b
 
 
 def _check_p(p: float) -> float:
@@ -111,7 +105,7 @@ def solve_retention(
     outside ``(0, 1]``, a budget below ``min_ratio``, or malformed curves.
     """
     c = _check_stack(curves)
-    b = _check_budget(budget)
+    b = check_budget(budget)
     floor = float(min_ratio)
     if not (0.0 <= floor <= 1.0):
         raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio!r}")
@@ -211,7 +205,7 @@ def integer_allocation(ratios: np.ndarray | list[float], n_tokens: int, budget: 
         raise ValueError("ratios must be finite and within [0, 1]")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1:
         raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
-    b = _check_budget(budget)
+    b = check_budget(budget)
 
     n_layers = r.size
     n = int(n_tokens)

@@ -21,16 +21,6 @@ from kvtool.profiles.schema import Profile
 MIN_RATIO = 0.02
 
 
-def check_budget(budget: float) -> float:
-    try:
-        value = float(budget)
-    except (TypeError, ValueError):
-        raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget!r}") from None
-    if not (0.0 < value <= 1.0):  # NaN fails too
-        raise KvtoolError(f"budget must be a kept fraction in (0, 1] (0.2 keeps 20% of the KV cache), got {budget}")
-    return value
-
-
 def floor_for(budget: float) -> float:
     return min(MIN_RATIO, budget)
 
@@ -45,11 +35,12 @@ def solve_ratios(curves: np.ndarray, budget: float) -> Allocation:
     return solve_retention(curves, budget, min_ratio=floor_for(budget))
 
 
-def rebudget(
+def rebudget_ratios(
     profile: Profile, budget: float, source: str = "profile", *, importance_curves: bool = False
 ) -> tuple[Profile, Allocation]:
-    """The profile with ratios re-derived for `budget` from its stored priority curves (the compressing
-    layers' mean ratio is `budget`; a hybrid profile's whole cache goes through `whole_cache.rebudget`).
+    """The profile with its compressing layers' ratios re-derived for `budget` from its stored priority
+    curves (their mean ratio is `budget`), sliding layers untouched. Callers re-budget a profile with
+    `whole_cache.rebudget`, which sends a hybrid profile's whole cache elsewhere and others here.
 
     The curves are the profile's scorer's (`scorer_curve` where the layers have one, else
     `priority_curve`), or for the `measured` ratio source each layer's `loss_curve`;
@@ -58,7 +49,7 @@ def rebudget(
     samples, PPLs) are dropped rather than carried over as if they held for the new one;
     `retention_p` is the new level.
     """
-    new_budget = check_budget(budget)
+    new_budget = float(budget)  # checked once, by whole_cache.rebudget
     compress = [i for i, layer in enumerate(profile.layers) if layer.compress]
     if profile.method.ratios == "uniform" and not importance_curves:
         return _uniform(profile, new_budget, compress)

@@ -1,16 +1,17 @@
-"""Per-layer ratios from measured loss: the `measured` ratio source (issue 50, item 3).
+"""Per-layer ratios from measured loss: the `measured` ratio source.
 
 Calibration measures, for each compressing layer alone, how much the references' NLL per token
-rises when that layer keeps only a fraction of its prompt entries (`kvtool.calibrate.layer_loss`),
+rises when that layer keeps only a fraction of its prompt entries (`kvtool.calibration.layer_loss`),
 at a few fractions (`LOSS_RATIOS`). The layers' ratios are then those whose summed loss is least with
-their mean at the budget: the "loss per byte" allocation the issue names, where PrefixKV's Lorenz
-curves only say how concentrated a layer's attention is, not what losing it costs. The profile
+their mean at the budget: a "loss per byte" allocation, where PrefixKV's Lorenz curves only say
+how concentrated a layer's attention is, not what losing it costs. The profile
 stores each layer's curve (`LayerProfile.loss_curve`) and the fractions (`Profile.loss_ratios`), so
 another budget re-solves them here, as Lorenz curves are re-solved.
 
-On SmolLM2 at 0.2 this allocation halved the loss over the full cache against the same ratio
-everywhere, by masking on held-out calibration prompts, while PrefixKV's ratios tied it
-(docs/results.md, "Layer budgets from measured loss (stop 63)").
+On SmolLM2 at 0.2 this allocation halves the loss over the full cache against the same ratio
+everywhere, by masking on 24 held-out calibration prompts, while PrefixKV's ratios tie it
+(`benchmarks/layer_budgets.py smollm2`: NLL per token +0.201 over the full cache against uniform's
++0.411; PrefixKV's ratios -0.034 +- 0.040 against uniform).
 """
 
 from __future__ import annotations

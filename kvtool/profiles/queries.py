@@ -1,7 +1,7 @@
 """Per-head query statistics learned by calibration: what Expected Attention needs from data.
 
 For each compressing layer and query head: the mean and covariance of the pre-RoPE queries
-calibration's prompts produced (`kvtool.calibrate.queries` records them), and the mean norm of each
+calibration's prompts produced (`kvtool.calibration.queries` records them), and the mean norm of each
 RoPE frequency's pair of dimensions, E|q_f| (TriAttention's norm term; profiles calibrated before it
 was recorded have none). They are tensors, too
 big for YAML, so a profile names a sidecar file beside it (`<profile>.queries.safetensors`) with

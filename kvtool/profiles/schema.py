@@ -34,6 +34,11 @@ HEAD_MODES = ("shared", "per-head")
 # attention-sum curves whatever the scorer, the budget in every layer, or each layer's measured loss
 # (`kvtool.profiles.loss_budget`).
 RATIO_SOURCES = ("scorer", "attention-sum", "uniform", "measured")
+# How a compressing layer stores the keys or values of the entries it keeps (kvtool.runtime.storage
+# holds the formats; a test keeps these names in step with them): the model's own dtype, 8 bits with
+# one scale per token and head (int8, fp8: vLLM's int8_per_token_head / fp8_per_token_head), 4 bits
+# per token and head (int4) or in groups of 32 along the head dim (int4-g32), and 2 bits in groups.
+KV_FORMATS = ("native", "int8", "fp8", "int4", "int4-g32", "int2-g32")
 
 # Field constraints several fields share.
 _KEPT_FRACTION = rule(low=0, high=1, open_low=True)
@@ -110,7 +115,7 @@ class MethodSettings:
     truncation_distance: int = field(default=25, metadata=_NON_NEGATIVE)
     selection: str = field(default="importance", metadata=rule(choices=SELECTION_RULES))
     eviction: str = "fixed-point"  # a name in kvtool.runtime.eviction.EVICT_RULES (checked there)
-    # Profiles written before these fields existed load with these defaults (today's behaviour).
+    # Profiles written before these fields existed load with these defaults (the current behaviour).
     scorer: str = field(default="attention-sum", metadata=rule(choices=SCORERS))
     # The observation window (last prompt rows) and max-pool width of the "window" scorer.
     window: int = field(default=32, metadata=rule(low=1))
@@ -190,6 +195,11 @@ class LayerProfile:
     # the window); generation then drops what each new token attended least, or the entry leaving
     # the model's window, so none outlives it (`runtime.eviction.window_tova`).
     scored: bool = field(default=False, metadata=rule(omit_default=True))
+    # How the layer stores the keys and the values it keeps (one of KV_FORMATS each). `ratio` counts
+    # entries whatever their format; what they cost in bytes is the format's. Left out of the file
+    # at the model's own precision, so a profile without them reads as native.
+    keys_format: str = field(default="native", metadata=rule(choices=KV_FORMATS, omit_default=True))
+    values_format: str = field(default="native", metadata=rule(choices=KV_FORMATS, omit_default=True))
 
 
 @dataclass(frozen=True)
@@ -268,7 +278,7 @@ class CalibrationInfo:
         metadata=rule(low=0, open_low=True, nullable=True, keys=("window", "perplexity"), key_low=1, omit_none=True),
     )
     # The prompt phase measured with the shipped method and its draft, as a multiple of the full
-    # cache's prompt forward on the calibration prompts (`kvtool.calibrate.cost`), and the limit it
+    # cache's prompt forward on the calibration prompts (`kvtool.calibration.cost`), and the limit it
     # had to stay within (`kvtool calibrate --max-prompt-overhead`; left out when none was set). Where
     # one row alone was clearly within the limit, that row's ratio: an upper bound of its batch's.
     prompt_overhead: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))

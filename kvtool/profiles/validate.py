@@ -33,7 +33,7 @@ def validate_profile(profile: Profile, source: str = "profile") -> None:
 
 def check_document(doc: Any, source: str) -> dict[str, Any]:
     """Raise KvtoolError unless `doc` (parsed YAML) is a valid profile document; return it in
-    today's form (a copy, each record's legacy keys replaced by what they became)."""
+    the current form (a copy, each record's legacy keys replaced by what they became)."""
     root = _Node(doc, "", source)
     if not isinstance(doc, dict):
         raise root.fail(f"expected a YAML mapping at the top level, got {_describe(doc)}")
@@ -83,7 +83,7 @@ def _upgrade_legacy(node: _Node, fields: tuple[DocField, ...], legacy: dict[str,
     off: set[str] = set()
     for key, old in legacy.items():
         if key not in node.value or (key in by_name and isinstance(node.value[key], dict)):
-            continue  # absent, or the field of that name in today's form
+            continue  # absent, or the field of that name in the current form
         at = node.child(key)
         del node.value[key]
         if at.value is None:

@@ -25,8 +25,8 @@ from kvtool.errors import KvtoolError
 import numpy as np
 
 from kvtool.profiles.allocation import Allocation
-from kvtool.profiles.budget import MIN_RATIO, check_budget
-from kvtool.profiles.budget import rebudget as rebudget_ratios
+from kvtool.profiles.budget import MIN_RATIO, rebudget_ratios
+from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
 
@@ -34,10 +34,11 @@ from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
 DEFAULT_BUDGET_TOKENS = 4096
 # Attention sinks a window-shaped layer keeps before its most recent (or top-scored) entries: none.
 # The model's own sliding layers never attend to the first tokens of a prompt longer than their
-# window, so kept sinks are targets it has not met at that distance. On Gemma 3 270M 4 sinks measured
-# about 4x the PPL of none in calibration's windows (docs/results.md, "Scored sliding windows"), and
-# on the ~4k-token evaluation prompts `tova`'s recent windows with 4 sinks measured 6.492 at 0.2
-# against 2.027 without ("Sliding windows without sinks for every method").
+# window, so kept sinks are targets it has not met at that distance. On Gemma 3 270M, windows of 32
+# with 4 sinks measured PPL 10.214 against 2.500 without on calibration's prompts
+# (`benchmarks/window_rules.py gemma3-270m --variants "scored r1 p1 + window-tova,the same without
+# sinks"`), and on the ~4k-token evaluation prompts `tova`'s recent windows with 4 sinks measured
+# 6.492 at 0.2 against 2.027 without (`kvtool eval gemma3-270m --long-prompts 4096 --per-kind 1`).
 WINDOW_SINKS = 0
 # No window goes below this many entries: its sinks and a short recent queue.
 MIN_WINDOW = 32
@@ -195,10 +196,11 @@ def uniform_window(budget: float, fingerprint: ModelFingerprint) -> int | None:
 
 def rebudget(profile: Profile, budget: float, source: str = "profile", *, importance_curves: bool = False) -> tuple[Profile, Allocation]:
     """`profile` at another budget: a hybrid profile's whole cache (`rebudget_whole`), any other's
-    ratios from its curves (`budget.rebudget`). What every caller that re-budgets a profile uses."""
+    ratios from its curves (`budget.rebudget_ratios`). What every caller that re-budgets a profile uses."""
+    budget = check_budget(budget)
     if profile.budget_tokens is None or not is_hybrid(profile.model):
         return rebudget_ratios(profile, budget, source, importance_curves=importance_curves)
-    updated = rebudget_whole(profile, check_budget(budget), source, importance_curves)
+    updated = rebudget_whole(profile, budget, source, importance_curves)
     full = [layer.ratio for layer in updated.layers if layer.compress]
     level = updated.calibration.retention_p if updated.calibration and updated.calibration.retention_p else float("nan")
     return updated, Allocation(p=level, ratios=np.array(full), iterations=0)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvtool import __version__
+from kvtool.version import __version__
 from kvtool.errors import KvtoolError
 from kvtool.models.forward import CACHE_NAMES, passed_cache
 from kvtool.models.queries import future_rotations, output_grams
@@ -24,8 +24,9 @@ from kvtool.profiles import (
     read_profile,
 )
 from kvtool.profiles import whole_cache
+from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.whole_cache import rebudget
-from kvtool.profiles.fingerprint import SLIDING_ATTENTION
+from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.runtime import attention
 from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
@@ -34,6 +35,7 @@ from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.held import HeldCache
 from kvtool.runtime.importance import LayerQueries
 from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.layer.kinds import LAYER_KINDS
 from kvtool.runtime.layer.plan import SCORED_WINDOW_POOL, SCORED_WINDOW_ROWS
 from kvtool.runtime.eviction.window_tova import WindowTova
 from kvtool.runtime.eviction import EVICT_RULES, evict_rule
@@ -41,8 +43,6 @@ from kvtool.runtime.merge import merge_rule
 from kvtool.runtime.selection import select_rule
 
 log = logging.getLogger("kvtool")
-
-FULL_ATTENTION = "full_attention"
 
 
 def load_profile(path: str | Path, budget: float | None = None) -> Profile:
@@ -86,8 +86,7 @@ def uniform_profile(model, budget: float, method: MethodSettings | None = None) 
     `budget` of its entries; on a hybrid model each sliding layer keeps a window of `budget` of its
     own (sinks and the most recent tokens), so the whole cache keeps `budget` at any length past the
     window (whole_cache.py)."""
-    if not (0.0 < budget <= 1.0) or budget != budget:
-        raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget}")
+    budget = check_budget(budget)
     fingerprint = fingerprint_of(model)
     layers = tuple(
         LayerProfile(ratio=budget if kind == FULL_ATTENTION else 1.0, compress=kind == FULL_ATTENTION)
@@ -167,6 +166,7 @@ def layer_plans(profile: Profile, min_kept: int = 0, queries: dict[int, LayerQue
                 recent_share=method.recent_share,
                 min_kept=min_kept,
                 queries=queries.get(index),
+                storage=(layer.keys_format, layer.values_format),
             )
         )
     return plans
@@ -309,7 +309,7 @@ def _check_fits(profile: Profile, model) -> None:
         )
 
 
-SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+SUPPORTED_LAYER_TYPES = tuple(LAYER_KINDS)
 
 
 def check_supported(model) -> None:

@@ -27,8 +27,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvtool.runtime.grouped import GroupedLayer
-from kvtool.runtime.held import HeldLayer
+from kvtool.runtime.layer.grouped import GroupedLayer
+from kvtool.runtime.layer.held import HeldLayer
 from kvtool.runtime.importance import ScoreRequest, attention_with_scores, decode_attention_with_scores, prompt_scores
 from kvtool.runtime.importance import chunked
 from kvtool.runtime.layer import CompressingLayer
@@ -122,7 +122,8 @@ def _attend_held(layer: HeldLayer, module, query, key, value, attention_mask, dr
     request = ScoreRequest(heads=True)
     if _plain_softmax_attention(dropout, kwargs):
         # One pass gives both, as in a prompt pass; on the CPU, one sequence at a time (cpu_path),
-        # several times faster than the portable chunks (docs/results.md, speed on the CPU).
+        # several times faster than the portable chunks (a draft's 64 rows over 4,160 columns: 40 ms a
+        # layer against 130 ms, in `draft.prepare` at 4096 x 4 on a 2-core CPU).
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         output, scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
         layer.read(scores, key, value)

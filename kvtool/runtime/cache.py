@@ -7,11 +7,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
+from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.runtime.layer.held_prompt import HeldPrompt
+from kvtool.runtime.layer.kinds import transformers_layer
 from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
 
@@ -26,7 +28,7 @@ class KvtoolCache(DynamicCache):
         for i, plan in enumerate(plans):
             if plan is None:
                 continue
-            expected = DynamicSlidingWindowLayer if plan.native_window is not None else DynamicLayer
+            expected = transformers_layer(SLIDING_ATTENTION if plan.native_window is not None else FULL_ATTENTION)
             if type(self.layers[i]) is not expected:
                 raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}, not the {expected.__name__} its plan is for")
             self.layers[i] = CompressingLayer(plan)

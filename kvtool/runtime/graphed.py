@@ -2,13 +2,14 @@
 
 On a GPU a decode step of a small batch is bound by kernel launches, not by reading the cache: the
 full cache of an 8B model launches about 1,200 kernels a step at about 22 µs of host time each, and a
-kvtool cache's eager bookkeeping 21 more per layer (docs/results.md). Compressing the cache then
+kvtool cache's eager bookkeeping 21 more per layer (`benchmarks/gpu_bench.py --shape llama3-8b
+--profile` on an H100: 1,884 launches a step against 1,204). Compressing the cache then
 saves memory but no time. With its slots fixed (layer/fixed.py) a kvtool cache's decode step runs
 the same kernels on the same buffers every time and reads nothing back to the host, so the whole
 step, the model's forward included, is captured once as a CUDA graph and then replayed: one launch
 per step, and the step costs what its kernels cost on the GPU. On an H100 at Llama-3.1-8B's shape
-that took kvtool's decode from 0.48x / 0.56x the full cache's to 1.70x / 1.55x (8192 x 4 / 32768 x 2;
-docs/results.md, on a GPU).
+that takes kvtool's decode from 0.48x / 0.56x the full cache's to 1.70x / 1.55x (8192 x 4 / 32768 x 2;
+`benchmarks/gpu_bench.py --shape llama3-8b --shapes 8192x4,32768x2`).
 
 `Decoder` is what the benchmarks' decode loop (`kvtool.bench.measure.decode_steps`), the draft's
 steps (`runtime.steps.step_tokens`) and `generate`'s loop (`runtime.graphed_generate`) call. It picks:

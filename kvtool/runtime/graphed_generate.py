@@ -2,12 +2,14 @@
 
 `model.generate` runs one eager forward per new token, and a kvtool cache's eager step on a GPU is
 launch-bound: 0.48x the full cache's decode at Llama-3.1-8B's shape, against 1.70x replayed as a graph
-(docs/results.md, on a GPU). `generate` hands its decoding loop to a callable (`custom_generate`,
-called once its own argument handling, logits processors and stopping criteria are done); `loop_for`
+(`benchmarks/gpu_bench.py --shape llama3-8b --shapes 8192x4` on an H100). `generate` hands its
+decoding loop to a callable (`custom_generate`, called once its own argument handling, logits
+processors and stopping criteria are done); `loop_for`
 gives that callable where it applies, and `_decode` is the loop: greedy search and sampling, with
 transformers' processors, stopping criteria and padding after EOS, one `Decoder` step per token. It
 chooses each token as transformers' own loop does, so the sequences are the same; the tests check it
-with fixed slots on a CPU (`MODE`), benchmarks/cuda_check.py with the graph on a GPU.
+with fixed slots on a CPU (`RuntimeSettings.generate_loop`), benchmarks/cuda_check.py with the graph
+on a GPU.
 
 It applies to a kvtool cache whose every layer compresses, on a CUDA device, for text inputs, when
 nothing asks for what only transformers' loop returns (scores, attentions, hidden states, a streamer)
@@ -27,11 +29,9 @@ from kvtool.models.loader import is_vision_language
 from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.graphed import Decoder
 from kvtool.runtime.layer import CompressingLayer
+from kvtool.runtime.settings import current_settings
 from kvtool.runtime.steps import Prompt, prompt_forward
 
-# "auto": the loop on CUDA devices only (a graph); "fixed": everywhere, fixed slots run eagerly (the
-# tests' CPU stand-in for the graph); "off": transformers' own loop always.
-MODE = "auto"
 _OUTPUTS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions", "output_hidden_states")
 _NEEDS_OWN_LOOP = ("streamer", "assistant_model", "synced_gpus", "negative_prompt_ids", "prefix_allowed_tokens_fn")
 
@@ -39,11 +39,14 @@ _NEEDS_OWN_LOOP = ("streamer", "assistant_model", "synced_gpus", "negative_promp
 def loop_for(model: Any, cache: Any, inputs: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The `custom_generate` keyword for `model.generate(**inputs, cache, **kwargs)` where the graphed
     loop applies, else nothing (transformers' own loop)."""
-    mode = "fixed" if MODE == "fixed" else "graph"
-    if MODE == "off" or (MODE == "auto" and model.device.type != "cuda"):
+    loop = current_settings().generate_loop  # "auto", "fixed" (the tests' CPU stand-in for the graph) or "off"
+    mode = "fixed" if loop == "fixed" else "graph"
+    if loop == "off" or (loop == "auto" and model.device.type != "cuda"):
         return {}
     if type(cache) is not KvtoolCache or not all(isinstance(layer, CompressingLayer) for layer in cache.layers):
         return {}
+    if loop == "auto" and any(layer.storage.quantized for layer in cache.layers):
+        return {}  # the fixed-slot step reads native entries only: quantized layers decode eagerly
     if set(inputs) - {"input_ids", "attention_mask"} or any(kwargs.get(key) for key in _NEEDS_OWN_LOOP):
         return {}
     if is_vision_language(model.config):  # positions of its own (multimodal rope) after an image

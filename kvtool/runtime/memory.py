@@ -52,7 +52,9 @@ def kv_bytes_by_type(cache: Any, layer_types: Any) -> dict[str, tuple[int, int]]
 
 # A prompt whose whole KV cache is below this share of the model's weights is left uncompressed:
 # compression could save at most that share of the memory, and scoring and a draft would cost more
-# time than the answer itself (`kvtool generate smollm2 "Name three colours."`: docs/results.md).
+# time than the answer itself (`kvtool generate smollm2 "Name three colours." --max-new-tokens 24
+# --budget 0.2`: compressed, that prompt took 38.3 s against 4.2 s and kept 41.5% of the cache; left
+# whole under this share, `model.generate` takes 1.033 s against 1.008 s).
 SHORT_PROMPT_SHARE = 0.01
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime.attach import uniform_profile
+from kvtool.runtime.precision import NATIVE, KVStorage, at_storage
+from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.whole_cache import rebudget
 
 
@@ -111,8 +113,9 @@ def get_method(name: str) -> Method:
         raise KvtoolError(f"unknown method {name!r} (known: {', '.join(METHODS)})") from None
 
 
-def method_profile(name: str, model, budget: float, calibrated: Profile | None = None) -> Profile:
-    """The profile that applies method `name` at `budget` to `model`.
+def method_profile(name: str, model, budget: float, calibrated: Profile | None = None, storage: KVStorage = NATIVE) -> Profile:
+    """The profile that applies method `name` at `budget` to `model`, its kept entries stored as
+    `storage` says (at the same bytes: `precision.at_storage`).
 
     Per-layer methods need `calibrated` (its ratios are re-derived for `budget` from the stored curves:
     `kvtool` from its scorer's, the PrefixKV methods from the attention-sum ones); the others use the
@@ -121,8 +124,7 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     """
 
     method = get_method(name)
-    if not (0.0 < budget <= 1.0):
-        raise KvtoolError(f"budget must be a kept fraction in (0, 1], got {budget:g}")
+    budget = check_budget(budget)
     if method.per_layer:
         if calibrated is None:
             raise KvtoolError(f"method {name!r} needs a calibrated profile (kvtool calibrate MODEL --budget B)")
@@ -133,7 +135,8 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
                 rules = dataclasses.replace(rules, eviction=method.eviction)
             if method.no_draft:
                 rules = dataclasses.replace(rules, draft=None)
-            return profile if rules == profile.method else dataclasses.replace(profile, method=rules)
+            profile = profile if rules == profile.method else dataclasses.replace(profile, method=rules)
+            return at_storage(profile, storage, model, source=name)
         # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
         base_method = calibrated.method
         own = (
@@ -144,7 +147,7 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     else:
         profile = uniform_profile(model, budget)
     base = calibrated.method if calibrated is not None else MethodSettings()
-    return dataclasses.replace(profile, method=method_settings(name, base))
+    return at_storage(dataclasses.replace(profile, method=method_settings(name, base)), storage, model, source=name)
 
 
 def method_settings(name: str, base: MethodSettings) -> MethodSettings:

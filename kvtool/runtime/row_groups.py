@@ -4,7 +4,8 @@ A prompt forward holds every row's activations and, until a kvtool layer compres
 draft, until the last round), its whole keys and values. So run as one forward, the prompt phase
 and not the cache bounds the batch:
 - on a GPU at 32k tokens of an 8B model a row costs about 8 GB there, while a compressed row keeps
-  under 1 GB (docs/results.md, capacity): `kvtool.runtime.draft.prepare` takes `rows` from a caller
+  under 1 GB (`bash benchmarks/gpu_check.sh`'s capacity cells on an H100: 7.7 GiB a row with the full
+  cache, 0.85 GiB with kvtool's rows a few at a time): `kvtool.runtime.draft.prepare` takes `rows` from a caller
   who wants that (gpu_bench's capacity cells);
 - where a draft holds its prompt in the memory the model computes in (a CPU), the held prompt is the
   full cache's own keys and values, and the compressed cache sits beside it: over the whole batch,

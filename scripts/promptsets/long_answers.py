@@ -28,7 +28,7 @@ AUDIENCES = (
 )
 
 # Calibration scores these rows on references as long as the answers they ask for
-# (kvtool.calibrate.config.LONG_REFERENCE_TOKENS); the two sets share no text.
+# (kvtool.calibration.config.LONG_REFERENCE_TOKENS); the two sets share no text.
 SOURCES = {
     EVALUATION: {
         "study-guide": ("class", "binary", "with", "objects"),

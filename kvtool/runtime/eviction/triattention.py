@@ -19,7 +19,9 @@ from kvtool.runtime.importance.triattention import triattention_probs
 class TriAttentionEvict(ExpectedAttentionEvict):
     name = "triattention"
     # In SmolLM2's search at 0.2: 2.826 against `tova`'s 2.825 in round 1, 2.408 against 2.371 in
-    # round 2 (docs/results.md, "TriAttention"): tried when `--space evictions=` names it.
+    # round 2 (`kvtool calibrate smollm2 --budget 0.2 --space
+    # evictions=fixed-point,heavy-hitter,heavy-hitter-window,tova,expected-attention,triattention`):
+    # tried when `--space evictions=` names it.
     searched = False
 
     def scores(self, entries: EntryView, start: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ from kvtool.runtime.importance.scores import NO_EXTRAS
 # starts, like CHUNK_ELEMENTS. The block size changes only the order of the column sums' additions.
 # The largest candidate bounds what a block holds: its scores, which the softmax overwrites, one
 # float32 buffer of up to 16 MiB. 2**24 (then two tensors of 64 MiB each) put a one-row prompt phase
-# at 4096 tokens 1.23x the full cache's tensor peak (0.373 against 0.304 GB), and of 13 benchmark
-# runs on the 2-core machine 12 chose 2**20 or 2**21 anyway (docs/results.md, speed and memory on the CPU).
+# at 4096 tokens 1.23x the full cache's tensor peak (`kvtool bench smollm2 --budget 0.2 --prompt-tokens
+# 4096 --batch 1 --new-tokens 32 --repeat 1`: 0.373 against 0.304 GB), and of 13 benchmark runs on a
+# 2-core CPU 12 chose 2**20 or 2**21 anyway.
 BLOCK_ELEMENTS: int | None = None
 DEFAULT_BLOCK_ELEMENTS = 2**22
 BLOCK_CANDIDATES = (2**20, 2**21, 2**22)

@@ -6,7 +6,9 @@ column totals while they are still in cache.
 
 Every block's scores go into one buffer made once per call, and the softmax overwrites them in
 place: a fresh tensor of several MiB per block (two, with the probabilities) costs its pages anew,
-which took about as long as the block's score GEMM (docs/results.md, "Speed and memory on the CPU").
+which took about as long as the block's score GEMM (on a 2-core CPU, a block's score GEMM took
+3.1-3.4 ms into a fresh tensor and 1.9 ms into one already touched; one layer at 4096 keys 297 ms
+against 335 ms with fresh tensors).
 """
 
 from __future__ import annotations

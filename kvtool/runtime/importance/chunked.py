@@ -4,7 +4,8 @@ chunks of query rows, each chunk's scores at most `chunk_elements(device)`.
 On a GPU it is what a draft's rows over a held prompt take (k rows against n + k keys, which the
 Triton kernels, square by design, do not serve). There chunks sized for a CPU cost more than the
 arithmetic: 64 rows over 8192 x 4 keys took 5 chunks a layer, and the draft's rows' forward 0.65 s a
-round on an H100 (docs/results.md), so a GPU's chunks are wider (GPU_CHUNK_ELEMENTS)."""
+round on an H100 (`benchmarks/gpu_bench.py --shapes 8192x4 --parts`), so a GPU's chunks are wider
+(GPU_CHUNK_ELEMENTS)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvtool.runtime.importance.scores import accumulation_dtype
+from kvtool.runtime.settings import current_settings
 
 # On a GPU the product of the probabilities with the values is split into chunks of this many slots:
 # it has a single query row per query head, so as one matrix product per head it keeps a handful of
@@ -59,9 +60,9 @@ def decode_attention_with_scores(
 
 
 def _mixed(tensor: torch.Tensor, acc: torch.dtype) -> bool:
-    """Whether half-precision `tensor` can be multiplied straight into `acc` results (CUDA's bmm
-    with an output dtype)."""
-    return tensor.is_cuda and tensor.dtype != acc and _HAS_MIXED_BMM
+    """Whether half-precision `tensor` is multiplied straight into `acc` results (CUDA's bmm with an
+    output dtype, where torch has it and `RuntimeSettings.mixed_precision_decode` is on)."""
+    return tensor.is_cuda and tensor.dtype != acc and HAS_MIXED_BMM and current_settings().mixed_precision_decode
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -84,4 +85,5 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, acc: torch.dtype
     return _bmm(p, v, acc).sum(dim=2)
 
 
-_HAS_MIXED_BMM = torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA")
+# Whether this torch has CUDA's bmm with an output dtype (the mixed-precision products above).
+HAS_MIXED_BMM = torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA")

@@ -1,7 +1,7 @@
 """Causal prompt attention and its column sums (kvtool's importance) in two Triton kernels.
 
 The portable path (`kvtool.runtime.importance`) walks row chunks through eager ops and is 18-101x a
-plain prefill on a GPU (issue 34). Here the prompt pass is two kernels and a few [B, Hkv, n] reductions
+plain prefill on a GPU. Here the prompt pass is two kernels and a few [B, Hkv, n] reductions
 (for an unpadded 16-bit prompt, torch's fused attention replaces the first: `FORWARD`):
 
 1. `_attn_fwd`, FlashAttention-style: one program per (block of query rows, batch row, query head)
@@ -29,8 +29,9 @@ the compiler on each call, and they call no helper that Triton wrapped at its ow
 tl.max and tl.zeros are spelled as tl.reduce with tl.standard's combine functions, which the
 interpreter recognises, and tl.full).
 
-Over 300 lines because the two kernels, their launcher and the float64 reference they are checked
-against must be read together.
+Over 400 lines because the two kernels, their launcher, their compile check (`compile_report`) and
+the float64 reference they are checked against spell the same arguments and masking and must be read
+together.
 """
 
 from __future__ import annotations

@@ -26,8 +26,13 @@ all of that here in four launches:
 
 It computes what the eager fixed-slot step computes (`FixedSlots._place_fixed`, the kvtool attention,
 `add_scores`, `_evict_fixed`) up to float rounding: the tests check it against that step in float64
-and the victims for equality. `FUSED` (on: exact and faster on an H100) switches it; without a GPU,
-Triton's interpreter runs it on CPU tensors (TRITON_INTERPRET=1), as for `triton_scores`.
+and the victims for equality. `RuntimeSettings.fused_decode_step` (kvtool.runtime.settings; on: exact
+and faster on an H100) switches it, `RuntimeSettings.split_victim_search` how `_gains` splits its
+walk; without a GPU, Triton's interpreter runs it on CPU tensors (TRITON_INTERPRET=1), as for
+`triton_scores`.
+
+Over 400 lines because the four kernels and the launcher that passes each one its strides, splits and
+block sizes must be read together.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtool.runtime.kernels import triton_scores
+from kvtool.runtime.settings import current_settings
 
 try:
     import triton
@@ -45,14 +51,13 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-# Whether fixed-slot layers that qualify (`applies`) step through these kernels. On an H100 at
-# Llama-3.1-8B's shape the (three-kernel) step decoded 1.35x / 1.21x faster than the eager step at
-# 8192 x 4 / 32768 x 2 and passed cuda_check's comparison (docs/results.md, "The fused decode step").
-FUSED = True
-# Whether `_gains` walks each row's slots in the partials' splits (True) or in one program per row,
-# as the three-kernel version that was timed did (False). Split, as the H200's profile suggests
-# (docs/results.md); not yet timed on a GPU: gpu_bench's "victim search in one program" cell times both.
-SPLIT_GAINS = True
+# `RuntimeSettings.fused_decode_step` chooses whether fixed-slot layers that qualify step through these
+# kernels. On an H100 at Llama-3.1-8B's shape a three-kernel form of this step, its victim search in
+# one program per row, decoded 1.35x / 1.21x faster than the eager step at 8192 x 4 / 32768 x 2 and
+# passed cuda_check's comparison (docs/results.md, "The fused decode step").
+# `RuntimeSettings.split_victim_search` chooses whether `_gains` walks each row's slots in the
+# partials' splits (on) or in one program per row (off): split, as an H200's profile of that loop
+# suggests (docs/results.md); gpu_bench's "victim search in one program" cell times both.
 BLOCK_S = 64  # slots per block of the attention's inner loop (`_partials`)
 FINISH_BLOCK_S = 256  # slots per block of the scores' and the victim's loop (`_gains`: no dot products)
 INTERPRETER_BLOCK_S, INTERPRETER_FINISH_BLOCK_S = 16, 32  # several blocks even for the tests' few slots
@@ -157,7 +162,7 @@ def decode_step(
         n_kv_heads, qk_scale, splits,
         G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
-    gain_splits, gain_split = (splits, scratch.split) if SPLIT_GAINS else (1, slots)
+    gain_splits, gain_split = (splits, scratch.split) if current_settings().split_victim_search else (1, slots)
     gains[(rows, gain_splits)](
         scratch.scores, scratch.final, order, score, kept, tokens, seen, share, scratch.best, scratch.first,
         *order.stride(), *score.stride(), *share.stride(),

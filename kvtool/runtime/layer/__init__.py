@@ -1,5 +1,6 @@
 """The compressing cache layer, in parts of one purpose each.
 
+    kinds        the layer types kvtool stores (full attention, sliding window): the registry
     plan         LayerPlan: what one compressing layer does, built from a profile
     compressing  CompressingLayer: its state and transformers' cache-layer interface
     prompt       prompt compression: rank, select (shared or per KV head), merge, freeze
@@ -8,6 +9,9 @@
     fixed        fixed slots: a decode step of one static shape, for CUDA graphs
     images       image tokens of vision-language prompts
     stacking     several layers' rows as one (calibration's side-by-side recipes)
+    recorded_window  a sliding layer that also records its whole prompt (calibration)
+    held         HeldLayer: a layer's held prompt, read by one forward of a draft's rows
+    grouped      GroupedLayer: several caches' layers as one batch (calibration's recipe search)
 
 As in transformers' cache_utils, a cache (cache.py) is a list of such layers, one per full-attention
 decoder layer. Eviction rules receive a read-only view of the entries (`eviction.EntryView`), never

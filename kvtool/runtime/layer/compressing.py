@@ -39,6 +39,7 @@ from kvtool.runtime.layer.plan import LayerPlan
 from kvtool.runtime.layer.prompt import PromptCompression
 from kvtool.runtime.layer.slots import SlotPlacement
 from kvtool.runtime.layer.stacking import RowStacking
+from kvtool.runtime.layer.stored import EntryStorage
 
 
 class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEviction, FixedSlots, RowStacking, DynamicLayer):
@@ -53,12 +54,14 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
     def __init__(self, plan: LayerPlan):
         super().__init__()
         self.plan = plan
+        self.storage = EntryStorage(*plan.storage)  # how the kept keys and values are stored (stored.py)
         # transformers builds the sliding-window mask from the first sliding layer's sizes (logical here)
         self.is_sliding = plan.native_window is not None
         self._clear()
 
     def _clear(self) -> None:
         self.seen = 0  # logical columns, padding included: what the shared mask machinery indexes
+        self.head_dim = 0  # D of the keys and values as the model computes them (stored rows may differ)
         self.valid: torch.Tensor | None = None  # [B, S] slot holds a real entry
         self.order: torch.Tensor | None = None  # [B, S] logical column of the slot's entry
         self.frozen: torch.Tensor | None = None  # [B, S] slot is in the frozen prefix
@@ -103,7 +106,7 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         self._pending = None  # (token_valid, scores) of a held prompt compressed once its forward ends
         # The device counters while the slots are fixed (`fix_slots`, fixed.py); None: eager steps.
         self.fixed = None
-        # With fixed slots and `triton_step.FUSED`, the new token's (key, value) between `update` and
+        # With fixed slots and `fused_decode_step`, the new token's (key, value) between `update` and
         # the attention, which places it (`fused_step`); its kernels' buffers, made at the first step.
         self.fused = False
         self.step_token: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -136,6 +139,15 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
             else:
                 self._place(key_states, value_states)
         return self.keys, self.values
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        # What the stored rows decode back to (slots hold the format's bytes, not the model's floats).
+        self.dtype, self.head_dim = key_states.dtype, key_states.shape[-1]
+        try:
+            self.storage.check(self.head_dim)
+        except ValueError as exc:
+            raise KvtoolError(str(exc)) from None
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -185,7 +197,7 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         window - 1 of them)."""
         if not self.is_initialized:
             return 0
-        bsz, heads, _, dim = self.keys.shape
+        bsz, heads = self.keys.shape[:2]
         native = self.plan.native_window
         columns = self.seen if native is None else min(self.seen, native)
-        return 2 * bsz * heads * columns * dim * self.keys.element_size()
+        return 2 * bsz * heads * columns * self.head_dim * torch.empty((), dtype=self.dtype).element_size()

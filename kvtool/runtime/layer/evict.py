@@ -68,10 +68,14 @@ class DecodeEviction:
         self.kept = self.kept - over
 
     def entry_view(self) -> EntryView:
-        """What the eviction rule may read of the entries (the layer's own tensors, not copies)."""
+        """What the eviction rule may read of the entries (the layer's own tensors, not copies; keys
+        and values decoded from a quantized layer's stored rows for the rules that read them)."""
+        keys, values = self.keys, self.values
+        if self.storage.quantized:
+            keys, values = self.storage.read(keys, values, self.dtype, self.head_dim) if self.plan.evict.needs_queries else (None, None)
         return EntryView(
             self.valid, self.order, self.frozen, self.seen, self.share, self.score, self.attention,
-            self.keys, self.values, self.plan.queries, self.tokens,
+            keys, values, self.plan.queries, self.tokens,
         )
 
     def _share_now(self) -> np.ndarray:
@@ -128,12 +132,12 @@ class DecodeEviction:
         per tensor, its index built from the victim alone (no row index, nothing copied from the host
         when every row's last slot is the same)."""
         source = slot_index(last, self.valid.device)
-        bsz, heads, _, dim = self.keys.shape
+        bsz, heads = self.keys.shape[:2]
         # The victim as an index into [B, Hkv, S] state; a [B] victim names the slot in every head.
         at = victim[:, :, None] if victim.dim() == 2 else victim[:, None, None].expand(bsz, heads, 1)
         for name, tensor in self._entry_tensors():
-            if tensor.dim() == 4:  # keys, values
-                axis, index = 2, at[..., None].expand(bsz, heads, 1, dim)
+            if tensor.dim() == 4:  # keys, values (stored rows: their widths may differ)
+                axis, index = 2, at[..., None].expand(bsz, heads, 1, tensor.shape[3])
             elif tensor.dim() == 3:
                 axis, index = 2, at
             else:

@@ -4,8 +4,9 @@ An eager decode step (slots.py, evict.py) keeps the counters on the host: the ne
 the row's last entry are known there, so a step writes plain slices and attends to exactly the
 slots in use. Every step then differs in its shapes and in numbers taken from the host. On a GPU
 that keeps decoding launch-bound (about 22 µs of host time per kernel, 21 more kernels per layer
-than a plain cache: docs/results.md), and a CUDA graph, which replays the kernels of one step with
-the arguments they had when it was captured, cannot be used.
+than a plain cache: `benchmarks/gpu_bench.py --shape llama3-8b --profile` on an H100), and a CUDA
+graph, which replays the kernels of one step with the arguments they had when it was captured,
+cannot be used.
 
 `fix_slots(steps)` gives the layer buffers that hold every entry the next `steps` tokens can need
 (its share after them, plus the token placed before one is evicted; from 512 slots on, rounded up
@@ -18,8 +19,8 @@ to whole chunks of the GPU's decode attention) and moves the counters to the dev
 Nothing is read back to the host and no state tensor is replaced, so the step can be captured once
 and replayed (runtime.graphed). While slots are fixed the host counters stand still;
 `release_slots()` reads the device's back and the layer decodes eagerly again. With
-`triton_step.FUSED` (the default) the shipped recipe's layers place, attend and evict in four
-Triton kernels instead of some 40 eager ones (`fused_step`, kernels/triton_step.py).
+`RuntimeSettings.fused_decode_step` (the default) the shipped recipe's layers place, attend and evict
+in four Triton kernels instead of some 40 eager ones (`fused_step`, kernels/triton_step.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvtool.runtime.eviction.heavy_hitter import HeavyHitter
 from kvtool.runtime.importance.decode import SLOT_CHUNK, SPLIT_FROM
 from kvtool.runtime.kernels import triton_step
 from kvtool.runtime.layer.slots import write_slot
+from kvtool.runtime.settings import current_settings
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class FixedSlots:
             raise KvtoolError("internal: the layer's slots are fixed already")
         if steps < 1:
             raise KvtoolError("internal: fixed slots need at least one step")
+        if self.storage.quantized:
+            raise KvtoolError(
+                f"fixed slots (the CUDA-graph decode) read native entries only; this layer stores "
+                f"{'/'.join(self.storage.names)} (generate with use_settings(generate_loop='off'))"
+            )
         last = self.tokens + steps
         if self.plan.evict.holds_budget and self.packed:
             # The share never falls as T grows: at most the last step's share, plus the token placed
@@ -84,7 +91,7 @@ class FixedSlots:
             rows=torch.arange(len(self.tokens), device=device),
         )
         self._placed, self._new_slot = None, None
-        self.fused = triton_step.FUSED and self._fused_step_applies()
+        self.fused = current_settings().fused_decode_step and self._fused_step_applies()
 
     def _fused_step_applies(self) -> bool:
         """Whether `triton_step` does this layer's steps: the shipped recipe's layers (packed, per-head,

@@ -2,14 +2,15 @@
 
 While a draft runs, every layer holds its uncompressed prompt: one more copy of the full cache's keys
 and values beside the compressed cache, which on a GPU put the prompt phase's peak above the full
-cache's (docs/results.md, on a GPU). There the held keys and values go to pinned host memory instead,
-copied on a side stream while the prompt forward goes on, and come back one layer at a time when the
-draft's forward reads that layer (which compresses it again there: runtime.held), each layer's copy
-back started on the side stream while the layer before it computes (`fetch`). On a CPU they stay
-where they are, and the layer compresses its prompt only once the prompt forward has ended
-(`PromptCompression.compress_pending`), so no compressed copy sits beside it under the forward's
-activations, and a batch is prepared a group of rows at a time (`runtime.row_groups`), so one
-group's held prompt and every row's compressed cache stay within the full cache's keys and values.
+cache's (docs/results.md, on a GPU). There the held keys and values go to pinned host memory instead
+(`RuntimeSettings.hold_prompt_on_host`, the default), copied on a side stream while the prompt forward
+goes on, and come back one layer at a time when the draft's forward reads that layer (which compresses
+it again there: runtime.held), each layer's copy back started on the side stream while the layer before
+it computes (`fetch`). On a CPU they stay where they are, and the layer compresses its prompt only once
+the prompt forward has ended (`PromptCompression.compress_pending`), so no compressed copy sits beside
+it under the forward's activations, and a batch is prepared a group of rows at a time
+(`runtime.row_groups`), so one group's held prompt and every row's compressed cache stay within the
+full cache's keys and values.
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ import torch
 
 from kvtool.runtime.importance import PromptScores
 from kvtool.runtime.layer.pinned import POOL
-
-# Where a GPU holds a draft's prompts: True, in pinned host memory (the prompt phase's peak then stays
-# below the full cache's); False, on the GPU (no copies: faster, one more copy of the keys and values).
-ON_HOST = True
+from kvtool.runtime.settings import current_settings
 
 _STREAMS: dict[torch.device, Any] = {}
 
@@ -45,8 +43,8 @@ class HeldPrompt:
 
     @classmethod
     def hold(cls, keys, values, token_valid, scores, image, *, private: bool) -> "HeldPrompt":
-        """Hold `keys` and `values` aside (in host memory on a GPU, by `ON_HOST`); `private`: the
-        layer goes on writing into these tensors, so a copy is held even on the device."""
+        """Hold `keys` and `values` aside (in host memory on a GPU, by `RuntimeSettings.hold_prompt_on_host`);
+        `private`: the layer goes on writing into these tensors, so a copy is held even on the device."""
         if private:  # on a GPU also: the copy out must not race the layer's later writes
             keys, values = keys.clone(), values.clone()
         if held_on_host(keys.device):
@@ -89,7 +87,7 @@ def let_go(held: list[HeldPrompt]) -> None:
 
 def held_on_host(device: torch.device) -> bool:
     """Whether a draft's prompts held for a model on `device` leave its memory (pinned host memory)."""
-    return ON_HOST and device.type == "cuda"
+    return current_settings().hold_prompt_on_host and device.type == "cuda"
 
 
 def _side_stream(device: torch.device) -> Any:

@@ -4,8 +4,9 @@ Pinning host memory is slow, and torch's caching host allocator, which would oth
 pinned blocks for the next prompt, is emptied by every CUDA graph capture (`torch.cuda.graph` calls
 `torch._C._host_emptyCache()`). Measured on an H100 at Llama-3.1-8B's shape, 8192 x 4: the 4 GiB a
 draft held were unpinned at the decode's graph capture (0.56-0.81 s there against 0.07-0.10 s) and
-pinned afresh by the next prompt (docs/results.md, on a GPU). The pool keeps the last draft's
-buffers referenced, so a capture cannot free them, and hands them to the next draft.
+pinned afresh by the next prompt. The pool keeps the last draft's buffers referenced, so a capture
+cannot free them, and hands them to the next draft: with it `bash benchmarks/gpu_check.sh` measures
+the recipe's decode at 257.9 tok/s there, against 174.5 without it.
 """
 
 from __future__ import annotations

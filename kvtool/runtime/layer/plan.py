@@ -15,7 +15,9 @@ from kvtool.runtime.selection import SelectRule, TopImportance, kept_count
 # A scored window (`LayerProfile.scored`) ranks the model's own window by the attention of the
 # prompt's last row under the model's sliding mask (TOVA's prefill score). On Gemma 3's calibration
 # prompts at 0.2 it beat SnapKV's 32 rows pooled over 7 and 8 rows pooled over 7 at windows of 64
-# and 127, on the prompts that choose and on the held-out ones (docs/results.md, "scored windows").
+# and 127, on the prompts that choose and on the held-out ones (`benchmarks/window_rules.py
+# gemma3-270m --profile kvtool/profiles/builtin/gemma3-270m-b0.2.yaml`: at 64, 14.101 against 14.310
+# and 14.651 choosing, 6.272 against 6.719 and 6.510 held out).
 SCORED_WINDOW_ROWS = 1
 SCORED_WINDOW_POOL = 1
 
@@ -62,6 +64,8 @@ class LayerPlan:
     # The layer's calibrated query statistics and RoPE (the expected-attention scorer reads them);
     # None when the profile has none.
     queries: LayerQueries | None = field(default=None, compare=False)
+    # How the kept keys and values are stored: names in kvtool.runtime.storage.FORMATS.
+    storage: tuple[str, str] = ("native", "native")
 
     def __post_init__(self) -> None:
         if isinstance(self.min_kept, bool) or not isinstance(self.min_kept, int) or self.min_kept < 0:
@@ -72,6 +76,8 @@ class LayerPlan:
             raise KvtoolError(f"a layer's window must be an integer >= 1, got {self.cap!r}")
         if self.cap is not None and self.native_window is not None and self.cap > self.native_window:
             raise KvtoolError(f"a layer's window ({self.cap}) cannot exceed the model's own ({self.native_window} entries)")
+        if self.record_importance and self.storage != ("native", "native"):
+            raise KvtoolError("calibration records layers at the model's own precision (storage native/native)")
         self.scoring  # refuses an unknown scorer or a bad window / pool now, not at the first prompt
 
     def keep(self, tokens: np.ndarray) -> np.ndarray:

@@ -199,7 +199,7 @@ class PromptCompression:
             select = self._select_per_head if self.per_head else self._select_shared
             keys, values, index, kept_valid = select(rank_by, token_valid, keep, image_mask)
             frozen_rank = torch.arange(index.shape[-1], device=keys.device).expand_as(kept_valid)
-        self.keys, self.values = keys.contiguous(), values.contiguous()
+        self.keys, self.values = self.storage.write(keys.contiguous(), values.contiguous())
         self.valid = kept_valid.clone()
         self.order = index.clone()
         entry_valid = self.entry_valid

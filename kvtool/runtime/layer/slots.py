@@ -32,6 +32,7 @@ class SlotPlacement:
             if self.plan.cap is not None:  # a window holds at most its entries and the token placed before an eviction
                 grow = max(1, min(grow, self.plan.cap + 1 - self.keys.shape[2]))
             self._grow(grow)
+        key_states, value_states = self.storage.write(key_states, value_states)  # the stored form (stored.py)
         if self.packed:
             # The first free slot is the row's count: written at host-known slots, nothing searched.
             slot = self.kept.copy()
@@ -47,9 +48,9 @@ class SlotPlacement:
         else:
             self._placed = None
             slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
-            bsz, heads, _, dim = self.keys.shape
-            self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), key_states)
-            self.values.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, dim), value_states)
+            bsz, heads = self.keys.shape[:2]
+            self.keys.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, self.keys.shape[3]), key_states)
+            self.values.scatter_(2, slot[:, None, None, None].expand(bsz, heads, 1, self.values.shape[3]), value_states)
             self.valid.scatter_(1, slot[:, None], True)
             write_slot(self.frozen, slot, False)
             if self.image is not None:
@@ -63,10 +64,9 @@ class SlotPlacement:
         self._new_slot = slot
 
     def _grow(self, slots: int) -> None:
-        bsz, heads, _, dim = self.keys.shape
-        pad = self.keys.new_zeros(bsz, heads, slots, dim)
-        self.keys = torch.cat([self.keys, pad], dim=2)
-        self.values = torch.cat([self.values, pad], dim=2)
+        bsz, heads = self.keys.shape[:2]
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(bsz, heads, slots, self.keys.shape[3])], dim=2)
+        self.values = torch.cat([self.values, self.values.new_zeros(bsz, heads, slots, self.values.shape[3])], dim=2)
         for name in ("valid", "frozen", "order", "image", "score"):
             tensor = getattr(self, name)
             if tensor is not None:
@@ -103,8 +103,12 @@ class SlotPlacement:
             width = int(self.kept.max())
             if width > 0:
                 mask = None if (self.kept == width).all() else self.valid[:, None, None, :width]
-                return self.keys[:, :, :width], self.values[:, :, :width], mask
-        return self.keys, self.values, self.slot_mask()
+                return (*self._read(self.keys[:, :, :width], self.values[:, :, :width]), mask)
+        return (*self._read(self.keys, self.values), self.slot_mask())
+
+    def _read(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries as attention reads them: decoded from their stored form (native: as they are)."""
+        return self.storage.read(keys, values, self.dtype, self.head_dim)
 
 
 # The last mask `real_new_tokens` read, and its answer: every layer of a forward gets the same mask

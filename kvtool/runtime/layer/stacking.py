@@ -21,7 +21,8 @@ class RowStacking:
             return None
         present = tuple(getattr(self, name) is None for name, _ in ENTRY_STATE)
         keys = self.keys
-        return (type(self.plan.evict), self.per_head, present, self.seen, keys.dtype, keys.shape[1], keys.shape[3])
+        return (type(self.plan.evict), self.per_head, present, self.seen, keys.dtype, keys.shape[1], keys.shape[3],
+                self.storage.names)
 
     @classmethod
     def stacked(cls, parts: "list[CompressingLayer]", plan: object) -> "CompressingLayer":
@@ -46,7 +47,8 @@ class RowStacking:
 
         layer = cls(first.plan)
         layer.plan = plan
-        layer.dtype, layer.device, layer.is_initialized = first.keys.dtype, first.keys.device, True
+        layer.dtype, layer.device, layer.is_initialized = first.dtype, first.keys.device, True
+        layer.head_dim = first.head_dim
         layer.keys, layer.values = stack("keys", 0.0), stack("values", 0.0)
         for name, fill in ENTRY_STATE:
             setattr(layer, name, stack(name, fill))
