@@ -51,6 +51,15 @@ def test_min_kept_floor_through_the_cli(tiny_llama_dir: Path) -> None:
     assert done.returncode == 2 and "'--min-kept'" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_kv_format_stores_the_kept_entries_in_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    profile = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
+    path = save_profile(profile, tmp_path / "tiny.yaml")
+    native = generate_json(tiny_llama_dir, "--profile", str(path))
+    int8 = generate_json(tiny_llama_dir, "--profile", str(path), "--kv-format", "int8")
+    assert "entries stored as int8" in int8["cache"] and int8["kv_bytes_full"] == native["kv_bytes_full"]
+    assert int8["kv_bytes"] < native["kv_bytes_full"]
+
+
 def test_profile_file_is_used(tiny_llama_dir: Path, tmp_path: Path) -> None:
     profile = uniform_profile(load_model(str(tiny_llama_dir)).model, 0.3)
     path = save_profile(profile, tmp_path / "tiny.yaml")
@@ -76,6 +85,8 @@ def test_profile_for_another_model_is_refused(tiny_llama_dir: Path, tmp_path: Pa
         (["--budget", "0"], "error: budget must be a kept fraction in (0, 1]"),
         (["--budget", "1.5"], "error: budget must be a kept fraction in (0, 1]"),
         (["--profile", "no/such/profile.yaml"], "error: profile file not found: no/such/profile.yaml"),
+        (["--budget", "0.2", "--kv-format", "int3"], "error: --kv-format takes FORMAT or KEYS/VALUES"),
+        (["--kv-format", "int8"], "error: --kv-format needs --budget or --profile"),
     ],
 )
 def test_bad_budget_or_profile_is_one_line(tiny_llama_dir: Path, args: list[str], message: str) -> None:

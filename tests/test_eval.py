@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtool.errors import KvtoolError
 from kvtool.data import load_jsonl
 from kvtool.evaluation import EvalConfig, evaluate
 from kvtool.evaluation.metrics import rouge_l_f1
@@ -354,3 +355,15 @@ def test_a_verified_draft_reports_how_much_of_each_answer_it_wrote(loaded, promp
     assert len(verified.verified_per_prompt) == len(records)
     assert all(1 <= n <= 4 for n in verified.verified_per_prompt)
     assert verified.kv_peak_fraction == pytest.approx(plain.kv_peak_fraction, rel=0.05)
+
+
+def test_a_kv_format_is_applied_to_every_method_and_reported(loaded, prompts_file):
+    records = load_jsonl(prompts_file)
+    config = EvalConfig(methods=("tova", "h2o"), budgets=(0.3,), max_new_tokens=4, kv_format="int8")
+    report = evaluate(loaded, data=records, config=config)
+    doc = report.to_dict()
+    assert doc["kv_format"] == "int8" and doc["native_bytes"] == loaded.model.dtype.itemsize
+    for row in doc["results"]:
+        assert row["kv_fraction_16bit"] == pytest.approx(row["kv_fraction"] * doc["native_bytes"] / 2)
+    with pytest.raises(KvtoolError, match="--kv-format takes"):
+        EvalConfig(kv_format="int3").checked()
