@@ -28,6 +28,8 @@ _OWNERS = {
     "method_profile": "kvtool.runtime",
     "KvtoolHandle": "kvtool.runtime",
     "KvtoolCache": "kvtool.runtime",
+    "KVStorage": "kvtool.runtime.precision",
+    "at_storage": "kvtool.runtime.precision",
     "builtin_profile": "kvtool.profiles.builtin",
     "Profile": "kvtool.profiles",
     "read_profile": "kvtool.profiles",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from kvtool.profiles import Profile, read_profile, save_profile
     from kvtool.profiles.builtin import builtin_profile
     from kvtool.runtime import KvtoolCache, KvtoolHandle, attach, load_profile, method_profile, uniform_profile
+    from kvtool.runtime.precision import KVStorage, at_storage
 
 
 def __getattr__(name: str) -> Any:
