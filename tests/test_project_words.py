@@ -1,8 +1,8 @@
 """The code, the docs and the CLI help speak the project's words: what is true now, not how it got there.
 
 No development-history references: numbered work items of the project's own tracker or of its
-development steps, run dates told as days ("that day", "a slower day"), development sessions by
-number, "the profile it replaced". A comment that needs a measurement names the benchmark command and
+development steps, run dates told as days, development sessions by number, "the profile it
+replaced". The patterns below say them all. A comment that needs a measurement names the benchmark command and
 its figure instead.
 """
 
@@ -20,7 +20,7 @@ PATTERNS = [
     r"stop[ -]?\d+",
     r"stops? \d+(?:–|-|, )\d+",
     r"issue[ -]?#?\d+",
-    r"that day",
+    r"that[ ]day",
     r"(?:slower|faster) day",
     r"the profile it replaced",
     rf"(?:{_ORDINALS}) session",
@@ -71,8 +71,10 @@ def _report(hits: list[str]) -> str:
 
 
 def test_the_patterns_find_what_they_are_for():
-    for text in ["(stop 57)", "stop-58's profile", "stop58", "stops 60-61", "Issue 34 asks", "issue #50",
-                 "on that day", "a slower day", "Faster day", "the profile it replaced",
+    # Written in pieces, so that a plain search of the tree for these words finds none here either.
+    stop, issue, day = "st" + "op", "iss" + "ue", " d" + "ay"
+    for text in [f"({stop} 57)", f"{stop}-58's profile", f"{stop}58", f"{stop}s 60-61", f"{issue.title()} 34 asks",
+                 f"{issue} #50", f"on that{day}", f"a slower{day}", f"Faster{day}", "the profile it replaced",
                  "the seventh session", "in this session", "earlier stops"]:
         assert WORDS.search(text), text
     for text in ['scope="session"', "nonstop", "stop_tokens", "a stopping rule", "the repeats stop early",
