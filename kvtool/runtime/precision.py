@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile, fingerprint_of
@@ -59,7 +58,7 @@ NATIVE = KVStorage()
 
 def native_bytes(model) -> int:
     """Bytes of one value as the model's cache stores it (its dtype's)."""
-    return torch.empty((), dtype=model.dtype).element_size()
+    return model.dtype.itemsize
 
 
 def entries_for(budget: float, storage: KVStorage, model) -> float:

@@ -200,4 +200,4 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         bsz, heads = self.keys.shape[:2]
         native = self.plan.native_window
         columns = self.seen if native is None else min(self.seen, native)
-        return 2 * bsz * heads * columns * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * bsz * heads * columns * self.head_dim * self.dtype.itemsize
