@@ -22,6 +22,10 @@ LAYERS = (
     ("kvtool.data", "kvtool.scoring"),
     ("kvtool.calibration",),
     ("kvtool.evaluation", "kvtool.bench"),
+    # The exporter (profile -> an engine's flags) and the server (requests -> batched generation):
+    # each its own room, above everything they use and below the commands that start them.
+    ("kvtool.export",),
+    ("kvtool.serve",),
     ("kvtool.cli",),
     # The package's face (kvtool/__init__.py): it names the public API of every layer, and no
     # module of kvtool imports it.

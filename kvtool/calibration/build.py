@@ -15,6 +15,7 @@ from kvtool.version import __version__
 from kvtool.profiles.allocation import Allocation, solve_from_samples
 from kvtool.profiles.budget import floor_for, solve_ratios, stored_p
 from kvtool.profiles.lorenz import mean_curve
+from kvtool.profiles.byte_budget import solve_by_bytes
 from kvtool.profiles.loss_budget import clean_curves, solve_by_loss
 from kvtool.profiles.schema import WINDOW_SCORERS
 from kvtool.calibration.layer_loss import LayerLosses
@@ -33,6 +34,9 @@ class Allocated:
     allocation: Allocation  # solved on the sample-mean curves
     spread: np.ndarray  # [Lc] std of the per-sample solutions
     per_sample: np.ndarray  # [S, Lc] each sample solved on its own at the same budget
+    # Each layer's (keys, values) storage when the budget was spent in bytes (`by_bytes`); None: native.
+    storages: tuple[tuple[str, str], ...] | None = None
+    native_bytes: int | None = None
 
 
 def allocate(stats: ImportanceStats, budget: float) -> Allocated:
@@ -61,6 +65,28 @@ def by_loss(losses: LayerLosses, budget: float) -> Allocated:
     return Allocated(
         allocation=Allocation(p=float("nan"), ratios=ratios, iterations=0),
         spread=per_sample.std(axis=0), per_sample=per_sample,
+    )
+
+
+def by_bytes(losses: LayerLosses, budget: float, head_dim: int, native: int) -> Allocated:
+    """The `measured` ratio source spending bytes: each layer's storage and ratio of least summed
+    measured loss within `budget` of the full bytes (`profiles.byte_budget.solve_by_bytes`), over the
+    storages whose losses were measured and the model's own."""
+    floor = min(losses.ratios[0], budget)
+
+    def solve(native_curve: np.ndarray, stored: dict) -> tuple[np.ndarray, list]:
+        curves = {("native", "native"): native_curve, **stored}
+        points = {("native", "native"): losses.ratios, **{s: losses.stored_ratios for s in stored}}
+        return solve_by_bytes(curves, points, head_dim, native, budget, floor=floor)
+
+    ratios, storages = solve(losses.curves, {s: losses.stored_curves(s) for s in losses.stored})
+    per_sample = np.stack([
+        solve(clean_curves(losses.deltas[i]), {s: clean_curves(d[i]) for s, d in losses.stored.items()})[0]
+        for i in range(losses.deltas.shape[0])
+    ])
+    return Allocated(
+        allocation=Allocation(p=float("nan"), ratios=ratios, iterations=0),
+        spread=per_sample.std(axis=0), per_sample=per_sample, storages=tuple(storages), native_bytes=native,
     )
 
 
@@ -103,8 +129,11 @@ def build_profile(
                 image_share=None if image_share is None else image_share[index],
                 scorer_curve=None if scorer_curves is None else tuple(float(v) for v in scorer_curves[j]),
                 loss_curve=None if losses is None else tuple(float(v) for v in loss_curves[losses.layers.index(index)]),
+                keys_format=allocated.storages[j][0] if allocated.storages else "native",
+                values_format=allocated.storages[j][1] if allocated.storages else "native",
             )
         )
+    quantized = bool(allocated.storages) and any(s != ("native", "native") for s in allocated.storages)
     return Profile(
         budget=budget,
         model=fingerprint,
@@ -113,6 +142,7 @@ def build_profile(
         kvtool_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         loss_ratios=None if losses is None else losses.ratios,
+        native_bytes=allocated.native_bytes if quantized else None,
     )
 
 

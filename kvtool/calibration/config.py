@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvtool.errors import KvtoolError
+from kvtool.runtime.precision import KVStorage
 from kvtool.profiles import MERGE_MODES, Draft, MethodSettings
 from kvtool.calibration.recipes import SearchSpace
 from kvtool.profiles.whole_cache import DEFAULT_BUDGET_TOKENS
@@ -110,6 +111,10 @@ class CalibrateConfig:
     # The references' first tokens each layer's loss is measured on, when a recipe may take its
     # ratios from measured loss (`calibration.layer_loss`).
     layer_loss_tokens: int = LAYER_LOSS_TOKENS
+    # The storages ("int8", "int8/int4-g32"; `runtime.precision.KVStorage`) each layer may keep its
+    # entries in, beside the model's own precision: the `measured` ratio source then chooses per
+    # layer a storage and a ratio by measured loss within the budget's bytes (`build.by_bytes`).
+    kv_formats: tuple[str, ...] = ("native",)
 
     def checked(self) -> "CalibrateConfig":
         """The same settings with tuples for sequences and duplicates dropped; a one-line
@@ -148,6 +153,7 @@ class CalibrateConfig:
             raise KvtoolError("reference tokens and batch size must be at least 1")
         if isinstance(self.layer_loss_tokens, bool) or not isinstance(self.layer_loss_tokens, int) or self.layer_loss_tokens < 2:
             raise KvtoolError(f"layer-loss tokens must be an integer >= 2 (the first reference token is the prompt's), got {self.layer_loss_tokens!r}")
+        kv_formats = tuple(dict.fromkeys(KVStorage.parse(f).name for f in (*self.kv_formats, "native")))
         if method.ratios == "measured" and not candidates:
             raise KvtoolError("ratios from measured loss need the references calibration scores recipes on: leave the D candidates on")
         return CalibrateConfig(
@@ -166,6 +172,7 @@ class CalibrateConfig:
             budget_tokens=self.budget_tokens,
             long_prompt_tokens=self.long_prompt_tokens,
             layer_loss_tokens=self.layer_loss_tokens,
+            kv_formats=kv_formats,
             # One list of D candidates and merge modes: the search's are the config's.
             search=None if self.search is None else replace(
                 self.search, distances=candidates or self.search.distances, merge_modes=merge_modes

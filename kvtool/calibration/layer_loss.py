@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,12 @@ from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
 from kvtool.profiles.loss_budget import LOSS_RATIOS, clean_curves
 from kvtool.runtime.importance.union import rank_share
+from kvtool.runtime.storage import storage_format
 
+# The kept fractions each quantized storage's loss is measured at: the lower precisions keep more
+# entries at the same bytes (a float32 model's int8 entry costs 0.27 of a native one), so their
+# points sit higher; at 1.0 nothing is dropped and the loss is the format's alone.
+STORED_RATIOS = (0.2, 0.4, 1.0)
 # kvtool's union scorer as the shipped recipes run it: a 32-row observation window, pooled over 15.
 WINDOW, POOL = 32, 15
 STAGE_LAYER_LOSS = "layer loss"
@@ -45,17 +50,24 @@ _NAME = "kvtool_layer_loss"
 @dataclass(frozen=True)
 class LayerLosses:
     """Each measured layer's loss at each ratio: `deltas` per prompt, `curves` their mean cleaned
-    (`loss_budget.clean_curves`; each prompt weighs the same)."""
+    (`loss_budget.clean_curves`; each prompt weighs the same). With storages, the same for each
+    (keys, values) format pair at `stored_ratios` (1.0 among them: the format's own loss with
+    nothing dropped)."""
 
     layers: tuple[int, ...]
     ratios: tuple[float, ...]
     deltas: np.ndarray  # [S, Lc, R]
     full_nll: tuple[float, ...]  # per prompt: the reference's NLL per token with nothing masked
     seconds: float
+    stored_ratios: tuple[float, ...] = ()
+    stored: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # storage -> [S, Lc, R']
 
     @property
     def curves(self) -> np.ndarray:
         return clean_curves(self.deltas.mean(axis=0))
+
+    def stored_curves(self, storage: tuple[str, str]) -> np.ndarray:
+        return clean_curves(self.stored[storage].mean(axis=0))
 
 
 class _Attention:
@@ -73,6 +85,8 @@ class _Attention:
         self.values: dict[int, torch.Tensor] = {}
         self.scores: dict[int, torch.Tensor] = {}
         self.keep: dict[int, torch.Tensor] = {}
+        # layer -> one (keys, values) format pair per batch row (None: native), in 'mask' mode
+        self.stored: dict[int, list[tuple[str, str] | None]] = {}
 
     def allowed(self, layer: int, first: int, rows: int, columns: int, device) -> torch.Tensor:
         """[rows, columns]: causal (row i sits at position first + i), within the layer's window."""
@@ -94,6 +108,8 @@ class _Attention:
             key = torch.cat([self.keys[layer].expand(batch, -1, -1, -1), key], dim=2)
             value = torch.cat([self.values[layer].expand(batch, -1, -1, -1), value], dim=2)
             first = key.shape[2] - rows
+            if layer in self.stored:
+                key, value = _stored_rows(key, value, self.stored[layer])
         allowed = self.allowed(layer, first, rows, key.shape[2], query.device).expand(batch, hq, rows, key.shape[2])
         if self.mode == "mask" and layer in self.keep:
             keep = self.keep[layer]
@@ -114,6 +130,21 @@ class _Attention:
         else:
             out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+
+
+def _stored_rows(key: torch.Tensor, value: torch.Tensor, storages: list[tuple[str, str] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv, N, D] keys and values with row b's entries (the prompt's and the reference's own) as
+    they read back from storage b: the runtime stores every entry it keeps, the new tokens' too."""
+    key, value = key.clone(), value.clone()
+    trips: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for row, storage in enumerate(storages):
+        if storage is None:
+            continue
+        if storage not in trips:  # every row of one storage reads the same round trip
+            k_fmt, v_fmt = (storage_format(name) for name in storage)
+            trips[storage] = (k_fmt.decode(k_fmt.encode(key[row]), key.dtype), v_fmt.decode(v_fmt.encode(value[row]), value.dtype))
+        key[row], value[row] = trips[storage]
+    return key, value
 
 
 def keep_mask(score: torch.Tensor, ratio: float, method: MethodSettings) -> torch.Tensor:
@@ -220,9 +251,15 @@ def measure_layer_losses(
     ratios: Sequence[float] = LOSS_RATIOS,
     tokens: int = 32,
     progress: Callable[[str, int, int], None] | None = None,
+    storages: Sequence[tuple[str, str]] = (),
+    stored_ratios: Sequence[float] = STORED_RATIOS,
 ) -> LayerLosses:
     """`LayerLosses` of `layers` at `ratios` over the choosing batches `states` (`passes.PromptState`:
-    their prompts and references, the first `tokens` of each)."""
+    their prompts and references, the first `tokens` of each), and at `stored_ratios` for each
+    quantized (keys, values) format pair of `storages`: the same masks, the layer's entries read
+    back from that storage."""
+    storages = [tuple(s) for s in storages if tuple(s) != ("native", "native")]
+    variants = [(None, float(r)) for r in ratios] + [(s, float(r)) for s in storages for r in stored_ratios]
     started = time.perf_counter()
     rows = prompt_rows(states, tokens)
     if not rows:
@@ -253,16 +290,23 @@ def measure_layer_losses(
             per_layer = []
             for layer in layers:
                 # Every ratio of a layer at once, as a batch (one row per ratio): the same sums, fewer calls.
-                attention.keep = {layer: torch.stack([keep_mask(attention.scores[layer], ratio, method) for ratio in ratios])}
-                nll = nll_per_token(runner.from_layer(layer, batch=len(ratios)), ref)
+                attention.keep = {layer: torch.stack([keep_mask(attention.scores[layer], ratio, method) for _, ratio in variants])}
+                if storages:
+                    attention.stored = {layer: [storage for storage, _ in variants]}
+                nll = nll_per_token(runner.from_layer(layer, batch=len(variants)), ref)
                 per_layer.append([v - base for v in (nll if isinstance(nll, list) else [nll])])
+                attention.stored = {}
             deltas.append(per_layer)
             full.append(base)
             attention.keys.clear(), attention.values.clear(), attention.scores.clear()
             report(STAGE_LAYER_LOSS, done, len(rows))
     finally:
         model.set_attn_implementation(previous)
+    measured = np.array(deltas, dtype=np.float64)  # [S, Lc, variants]
+    native, per = len(ratios), len(stored_ratios)
     return LayerLosses(
-        layers=tuple(layers), ratios=tuple(float(r) for r in ratios), deltas=np.array(deltas, dtype=np.float64),
+        layers=tuple(layers), ratios=tuple(float(r) for r in ratios), deltas=measured[:, :, :native],
         full_nll=tuple(full), seconds=time.perf_counter() - started,
+        stored_ratios=tuple(float(r) for r in stored_ratios) if storages else (),
+        stored={s: measured[:, :, native + k * per: native + (k + 1) * per] for k, s in enumerate(storages)},
     )

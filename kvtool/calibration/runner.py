@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.kept_fraction import check_budget
-from kvtool.calibration.build import allocate, build_profile, by_loss, uniform, with_calibration, with_method
+from kvtool.calibration.build import allocate, build_profile, by_bytes, by_loss, uniform, with_calibration, with_method
 from kvtool.calibration.config import (
     DEFAULT_LONG_PROMPT_TOKENS, DEFAULT_SAMPLES, HYBRID_SAMPLES, LONG_ANSWER_KIND, CalibrateConfig,
 )
@@ -44,6 +44,7 @@ from kvtool.models.queries import unsupported
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
 from kvtool.profiles.schema import QUERY_SCORERS
 from kvtool.runtime.eviction import EVICT_RULES
+from kvtool.runtime.precision import KVStorage, check_storage, native_bytes
 from kvtool.scoring import encode_batches
 
 
@@ -186,6 +187,14 @@ def calibrate(
     if space is not None and (why_not is not None or not config.candidates):
         space = replace(space, ratio_sources=tuple(r for r in space.ratio_sources if r != "measured") or (method.ratios,))
     by_measured_loss = method.ratios == "measured" or (space is not None and "measured" in space.ratio_sources)
+    storages = [KVStorage.parse(f) for f in config.kv_formats if KVStorage.parse(f).quantized]
+    if storages and (hybrid or not by_measured_loss):
+        raise KvtoolError(
+            "--kv-formats: precision is chosen per layer by the measured ratio source on models without sliding-window layers"
+            + (" (this one has them)" if hybrid else "; this run does not measure layer losses")
+        )
+    for storage in storages:
+        check_storage(storage, fingerprint_of(loaded.model).head_dim, "--kv-formats")
     if space is not None and fingerprint_of(loaded.model).num_kv_heads == 1:
         # One KV head: per-head entries are the shared ones (Gemma 3 270M's per-head trials measured
         # the shared ones' PPLs to the last digit), so the heads stage would measure them again.
@@ -223,9 +232,12 @@ def calibrate(
     losses = None
     if by_measured_loss:
         losses = measure_layer_losses(
-            loaded.model, measured.states[:split], method, importance.layers, tokens=config.layer_loss_tokens, progress=report
+            loaded.model, measured.states[:split], method, importance.layers, tokens=config.layer_loss_tokens, progress=report,
+            storages=[(s.keys, s.values) for s in storages],
         )
-        allocated["measured"] = by_loss(losses, budget)
+        allocated["measured"] = (
+            by_bytes(losses, budget, fingerprint.head_dim, native_bytes(loaded.model)) if storages else by_loss(losses, budget)
+        )
 
     def curves_of(settings: MethodSettings) -> str:
         """Whose Lorenz curves give `settings`' ratios (uniform ratios report attention-sum's)."""

@@ -55,7 +55,7 @@ def bench_command(
             "so the machine's drift between runs cannot skew the decode ratio.",
         ),
     ] = True,
-    kv_format: Annotated[str, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = "native",
+    kv_format: Annotated[str | None, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Measure the full cache, a kvtool cache and a truncated dense cache (the ceiling) in one process.

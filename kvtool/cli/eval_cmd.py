@@ -82,12 +82,12 @@ def eval_command(
         ),
     ] = 0,
     kv_format: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--kv-format",
             help="Every method: " + KV_FORMAT_HELP,
         ),
-    ] = "native",
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw PPL and ROUGE-L against budget here (needs the kvtool\\[plot] extra).")] = None,
     kinds: Annotated[
@@ -223,7 +223,7 @@ def render(console: Console, report: EvalReport) -> None:
         f"± one standard error over prompts){accuracy[1]}; top-1 is the share of reference tokens the compressed "
         f"cache itself ranks first when fed the reference (greedy output leaves the full cache's at the first miss); "
         f"KV kept / peak: physical KV bytes at the end / the most after any step, over the full cache's at the end"
-        + (f" (entries stored as {report.kv_format})" if report.kv_format != "native" else "")
+        + (f" (entries stored as {report.kv_format})" if report.kv_format not in ("native", "as calibrated") else "")
         + ("; of 16-bit: the same bytes over a 16-bit full cache's" if wide else "") + "."
         + (f" PPL, top-1 and ROUGE-L leave out the first {report.score_from} tokens." if report.score_from else ""),
         soft_wrap=True,

@@ -115,7 +115,7 @@ def generate_command(
             "small budget leave some layers a handful of entries. 0 (default): the budget alone.",
         ),
     ] = 0,
-    kv_format: Annotated[str, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = "native",
+    kv_format: Annotated[str | None, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Generate continuations for PROMPTs as one batch; report timing and KV-cache bytes."""

@@ -14,6 +14,8 @@ from rich.text import Text
 
 from kvtool.cli.app import inspect_app
 from kvtool.profiles import Profile, profile_to_dict, read_profile, whole_cache
+from kvtool.profiles.byte_budget import byte_share, is_quantized
+from kvtool.profiles.entry_bytes import layer_share
 from kvtool.profiles.schema import WINDOW_SCORERS, CalibrationInfo, LayerProfile, draft_phrase
 
 _BAR_WIDTH = 20
@@ -97,6 +99,14 @@ def _budget_rows(profile: Profile) -> list[tuple[str, str]]:
         ("Budget", budget),
         ("Kept ratios", f"mean {mean} over {len(compressed)} compressed of {len(profile.layers)} layers"),
     ]
+    if is_quantized(profile):
+        native = profile.native_bytes
+        stored = Counter(storage_name(layer) for layer in profile.layers if layer.compress)
+        rows[0] = ("Budget", f"keeps {profile.budget:.1%} of the KV cache's bytes at {8 * native}-bit values"
+                   + (f" ({profile.budget * native / 2:.1%} of a 16-bit cache)" if native != 2 else ""))
+        rows.append(("Stored", ", ".join(f"{name} in {n} layers" for name, n in stored.most_common())
+                     + f"; {byte_share(profile):.1%} of the compressed layers' bytes"))
+    return rows
     windows = sorted({(layer.window, layer.sinks or 0, layer.scored) for layer in profile.layers if layer.window is not None})
     if windows:
         shaped = sum(1 for layer in profile.layers if layer.window is not None)
@@ -192,11 +202,24 @@ def layer_table(profile: Profile) -> Table:
     table.add_column("Gini", justify="right")
     table.add_column("Spread", justify="right")
     table.add_column("Compress")
+    quantized = is_quantized(profile)
+    if quantized:
+        table.add_column("Stored")
+        table.add_column("Bytes", justify="right")
     types = profile.model.layer_types
     for index, layer in enumerate(profile.layers):
         kind = types[index] if index < len(types) else ""
-        table.add_row(*_layer_cells(index, kind, layer), style=None if layer.compress or layer.window else "dim")
+        cells = _layer_cells(index, kind, layer)
+        if quantized:
+            cells += [storage_name(layer), f"{layer_share(layer, profile.model.head_dim, profile.native_bytes):.3f}" if layer.compress else _MISSING]
+        table.add_row(*cells, style=None if layer.compress or layer.window else "dim")
     return table
+
+
+def storage_name(layer: LayerProfile) -> str:
+    """How a layer stores its kept entries: one format, or KEYS/VALUES."""
+    k, v = layer.keys_format, layer.values_format
+    return k if k == v else f"{k}/{v}"
 
 
 def _layer_cells(index: int, kind: str, layer: LayerProfile) -> list[str | Text]:

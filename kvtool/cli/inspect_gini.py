@@ -17,6 +17,8 @@ from kvtool.cli.app import inspect_app
 from kvtool.profiles import Profile, read_profile
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.profiles.loss_budget import interpolate
+from kvtool.profiles.byte_budget import is_quantized
+from kvtool.cli.inspect_cmd import storage_name
 from kvtool.profiles.prefixkv import PrefixKV, missing_curve, prefixkv
 
 _PROFILE_SUFFIXES = (".yaml", ".yml")
@@ -145,6 +147,9 @@ def gini_table(profile: Profile, title: str, papers: PrefixKV | None = None, *, 
     images = has_image_share(profile)
     if images:
         table.add_column("Image", justify="right", no_wrap=True)
+    stored = shipped and is_quantized(profile)
+    if stored:
+        table.add_column("Stored")
     for index, layer in enumerate(profile.layers):
         theirs = _MISSING if papers is None else _ratio_cell(papers.profile.layers[index])
         cells = [
@@ -164,6 +169,8 @@ def gini_table(profile: Profile, title: str, papers: PrefixKV | None = None, *, 
             cells.append(_MISSING if layer.ratio_std is None else f"±{layer.ratio_std:.3f}")
         if images:
             cells.append(_MISSING if layer.image_share is None else f"{layer.image_share:.1%}")
+        if stored:
+            cells.append(storage_name(layer) if layer.compress else _MISSING)
         table.add_row(*cells, style=None if layer.compress else "dim")
     return table
 

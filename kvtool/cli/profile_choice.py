@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
 
 # `--kv-format`'s help, the same in every command that takes it.
 KV_FORMAT_HELP = (
-    "How kept entries are stored: native, int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES (int8/int4-g32). "
-    "The budget stays a share of the native cache's bytes, so a lower precision keeps more entries."
+    "How kept entries are stored in every compressed layer: native, int8, fp8, int4, int4-g32, int2-g32, or "
+    "KEYS/VALUES (int8/int4-g32). Default: as the profile was calibrated. The budget stays a share of the "
+    "native cache's bytes, so a lower precision keeps more entries."
 )
 
 
@@ -31,14 +32,16 @@ def check_choice(budget: float | None, profile_path: Path | None) -> None:
 
 
 def choose_cache_profile(
-    loaded: Any, budget: float | None, profile_path: Path | None, kv_format: str = "native"
+    loaded: Any, budget: float | None, profile_path: Path | None, kv_format: str | None = None
 ) -> tuple[Profile, str] | None:
     """The profile and a line saying where it came from; None = the plain full cache.
 
     `--profile` alone runs that profile as calibrated; with a budget (and for `--budget` alone)
     `kvtool.calibration.choose` decides, as it does for `kvtool eval`: the same budget means the same
-    cache in every command. A quantized `kv_format` spends the same bytes on more entries: the
-    profile comes from the calibrated one nearest that share of entries (`precision.at_storage`).
+    cache in every command. Without `kv_format` each layer stores what its profile says; with one,
+    every compressed layer stores that format at the same bytes (a lower precision keeps more
+    entries): the profile comes from the calibrated one nearest that share of entries
+    (`precision.at_storage`).
     """
     # Imported here so `kvtool --help` does not pay for torch/transformers.
     from kvtool.calibration.choose import choose_profile
@@ -46,9 +49,9 @@ def choose_cache_profile(
     from kvtool.runtime.precision import KVStorage, at_storage, entries_for
 
     check_choice(budget, profile_path)
-    storage = KVStorage.parse(kv_format)
+    storage = None if kv_format is None else KVStorage.parse(kv_format)
     if budget is None and profile_path is None:
-        if storage.quantized:
+        if storage is not None and storage.quantized:
             raise KvtoolError("--kv-format needs --budget or --profile (the full cache keeps the model's own precision)")
         return None
     if budget is None:
@@ -61,10 +64,10 @@ def choose_cache_profile(
             loaded, entries_for(budget, storage, loaded.model), profile_path=profile_path, progress=bars,
             notify=lambda line: err.print(f"[yellow]{line}[/]", soft_wrap=True),
         )
-    if not storage.quantized:
+    if storage is None:
         return chosen.profile, chosen.source
     return at_storage(chosen.profile, storage, loaded.model, budget=budget), chosen.source + _stored_as(storage)
 
 
 def _stored_as(storage: Any) -> str:
-    return f"; entries stored as {storage.name}" if storage.quantized else ""
+    return f"; entries stored as {storage.name}" if storage is not None else ""

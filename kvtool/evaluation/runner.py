@@ -69,8 +69,9 @@ class EvalConfig:
     max_prompt_tokens: int = 2048  # the packaged retrieval prompts reach ~1.9k tokens; a cut could drop a needle
     score_from: int = 0  # reference / output tokens left out of PPL, top-1 and ROUGE-L, from the start
     # How every method stores the entries it keeps ("int8", "int8/int4-g32"; precision.KVStorage):
-    # at the same bytes, a lower precision keeps more of them.
-    kv_format: str = "native"
+    # at the same bytes, a lower precision keeps more of them. None: kvtool's recipe as calibrated
+    # (its layers' own formats), every other method at the model's own precision.
+    kv_format: str | None = None
 
     def checked(self) -> "EvalConfig":
         if not self.methods:
@@ -91,7 +92,7 @@ class EvalConfig:
         methods = tuple(dict.fromkeys(self.methods))
         return EvalConfig(
             methods, tuple(dict.fromkeys(budgets)), self.max_new_tokens, self.batch_size, self.max_prompt_tokens, self.score_from,
-            KVStorage.parse(self.kv_format).name,
+            None if self.kv_format is None else KVStorage.parse(self.kv_format).name,
         )
 
 
@@ -308,7 +309,7 @@ def evaluate(
     # methods a model with no calibrated profile is not calibrated just for those.
     # At a lower precision a budget keeps more entries: the calibrated profile nearest that share of
     # entries is the recipe's base (`precision.at_storage` then spends the budget's bytes on it).
-    storage = KVStorage.parse(config.kv_format)
+    storage = None if config.kv_format is None else KVStorage.parse(config.kv_format)
     entries = {budget: entries_for(budget, storage, loaded.model) for budget in config.budgets}
     chosen = choose_profiles(
         loaded, sorted(set(entries.values())), profile_path=profile,
@@ -347,7 +348,7 @@ def evaluate(
         references=kind, full_ppl=full_nll.ppl(), reference_tokens=full_nll.count, profile_source=source,
         results=tuple(results), seconds=time.perf_counter() - started,
         kinds=tuple(r.kind for r in records), full_outputs=_full_outputs(targets, len(records)),
-        full=full_scores.scores(), kv_format=config.kv_format, native_bytes=native_bytes(loaded.model),
+        full=full_scores.scores(), kv_format=config.kv_format or "as calibrated", native_bytes=native_bytes(loaded.model),
     )
 
 

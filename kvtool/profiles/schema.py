@@ -237,6 +237,34 @@ class RecipeTrial:
     drafted_held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
 
 
+# The serving engines a profile can record an engine-servable recipe for (kvtool.export holds how each
+# is spoken to; kvtool.calibration.engine searches what each can serve).
+ENGINES = ("vllm", "trtllm")
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """What a serving engine can hold of the cache, searched and measured by `kvtool calibrate --engine`
+    (`kvtool.calibration.engine`): per layer a recency window without sinks or the full cache, one KV
+    dtype (the engine's own name), the layers the engine keeps at native precision, and the PPL of that
+    recipe run with the engine's semantics (`kvtool.calibration.engine_emulation`) beside kvtool's own
+    recipe's, on the same prompts."""
+
+    engine: str = field(metadata=rule(choices=ENGINES))
+    kv_cache_dtype: str  # the engine's name: "auto", "fp8", "int8_per_token_head", ...
+    # Per layer "full" or the window in tokens (each token attends to itself and the window - 1 before it).
+    windows: tuple[str, ...] = field(metadata=rule(flow=True, nonempty=True, per_layer=True))
+    prompt_tokens: int = field(metadata=rule(low=1))  # the length at which `kept` and the windows were solved
+    kept: float = field(metadata=_KEPT_FRACTION)  # its share of the full cache's bytes at prompt_tokens
+    ppl: float = field(metadata=rule(low=0, open_low=True))  # on the prompts that chose
+    kvtool_ppl: float = field(metadata=rule(low=0, open_low=True))  # kvtool's shipped recipe, same prompts
+    # Layers the engine keeps at native precision while the others use kv_cache_dtype (vLLM's
+    # --kv-cache-dtype-skip-layers); left out when none.
+    skip_layers: tuple[str, ...] = field(default=(), metadata=rule(flow=True, omit_default=True))
+    held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+    kvtool_held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+
+
 @dataclass(frozen=True)
 class CalibrationInfo:
     """Where the ratios came from; absent for a uniform profile made on the fly."""
@@ -286,6 +314,8 @@ class CalibrationInfo:
     # True when the held-out prompts rejected the search's choice and the method is the finalist
     # with the lowest PPL over all the prompts (nothing independent confirms it); left out otherwise.
     fell_back: bool | None = field(default=None, metadata=rule(omit_none=True))
+    # The engine-servable recipe `kvtool calibrate --engine` searched, with its measured PPL; left out otherwise.
+    engine: EngineRecipe | None = field(default=None, metadata=rule(omit_none=True))
 
 
 @dataclass(frozen=True)
@@ -330,6 +360,10 @@ class Profile:
         default=None, kw_only=True,
         metadata=rule(low=0, high=1, open_low=True, increasing=True, flow=True, omit_none=True),
     )
+    # Bytes of one value at the model's own precision (4 for float32, 2 for 16-bit): what the layers'
+    # storage formats are counted against (`profiles.byte_budget`). Left out when every layer keeps
+    # the model's precision; a profile whose layers store other formats must have it.
+    native_bytes: int | None = field(default=None, kw_only=True, metadata=rule(low=1, omit_none=True))
     # Listed in order, each entry stating its position (a check against hand edits).
     layers: tuple[LayerProfile, ...] = field(metadata=rule(per_layer=True, index_key="layer"))
     # The statistics `queries` names (a kvtool.profiles.queries.QueryStats), loaded with the file.

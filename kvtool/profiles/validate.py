@@ -41,7 +41,19 @@ def check_document(doc: Any, source: str) -> dict[str, Any]:
     _check_schema_version(root)
     doc = copy.deepcopy(doc)
     _check_record(_Node(doc, "", source), Profile, doc)
+    _check_native_bytes(root, doc)
     return doc
+
+
+def _check_native_bytes(root: _Node, doc: dict) -> None:
+    """A layer stored in another format than the model's is counted against the model's own bytes
+    per value, so the profile must say them (`native_bytes`)."""
+    stored = [
+        i for i, layer in enumerate(doc.get("layers") or ())
+        if isinstance(layer, dict) and (layer.get("keys_format", "native"), layer.get("values_format", "native")) != ("native", "native")
+    ]
+    if stored and doc.get("native_bytes") is None:
+        raise root.fail(f"layer {stored[0]} stores quantized entries, so native_bytes (bytes per value at the model's own precision) is required")
 
 
 def _check_schema_version(root: _Node) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import MIN_RATIO, rebudget_ratios
+from kvtool.profiles.byte_budget import is_quantized, rebudget_bytes
 from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
@@ -59,8 +60,16 @@ def smallest_window(fingerprint: ModelFingerprint) -> int:
     return min(MIN_WINDOW, max(2, native_window(fingerprint) // 4))
 
 
+# Layer types that hold no per-token entries: the fixed-size conv and recurrent state of
+# linear-attention and Mamba layers, and layers without attention. They are outside the budget's
+# denominator (runtime/memory.py counts bytes the same way).
+NO_ENTRIES = ("linear_attention", "moe", "mlp")
+
+
 def stored(kind: str, tokens: int, fingerprint: ModelFingerprint) -> int:
     """Entries the full cache's layer of `kind` holds after `tokens` tokens."""
+    if kind in NO_ENTRIES:
+        return 0
     return min(tokens, native_window(fingerprint)) if kind == SLIDING_ATTENTION and is_hybrid(fingerprint) else tokens
 
 
@@ -68,7 +77,7 @@ def kept(layer: LayerProfile, kind: str, tokens: int, fingerprint: ModelFingerpr
     """Entries the layer keeps after `tokens` tokens under the profile (the runtime's count)."""
     if layer.window is not None:
         return min(tokens, layer.window)
-    if not layer.compress or layer.ratio >= 1.0:
+    if not layer.compress or layer.ratio >= 1.0 or kind in NO_ENTRIES:
         return stored(kind, tokens, fingerprint)
     return min(tokens, max(1, math.ceil(layer.ratio * tokens - 1e-9)))
 
@@ -198,6 +207,8 @@ def rebudget(profile: Profile, budget: float, source: str = "profile", *, import
     """`profile` at another budget: a hybrid profile's whole cache (`rebudget_whole`), any other's
     ratios from its curves (`budget.rebudget_ratios`). What every caller that re-budgets a profile uses."""
     budget = check_budget(budget)
+    if is_quantized(profile):  # the budget is bytes: formats kept, entries re-derived (byte_budget)
+        return rebudget_bytes(profile, budget, source, importance_curves=importance_curves)
     if profile.budget_tokens is None or not is_hybrid(profile.model):
         return rebudget_ratios(profile, budget, source, importance_curves=importance_curves)
     updated = rebudget_whole(profile, budget, source, importance_curves)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings, Profile
 from kvtool.runtime.attach import uniform_profile
-from kvtool.runtime.precision import NATIVE, KVStorage, at_storage
+from kvtool.runtime.precision import NATIVE, KVStorage, at_storage, storage_of
 from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.whole_cache import rebudget
 
@@ -113,9 +113,10 @@ def get_method(name: str) -> Method:
         raise KvtoolError(f"unknown method {name!r} (known: {', '.join(METHODS)})") from None
 
 
-def method_profile(name: str, model, budget: float, calibrated: Profile | None = None, storage: KVStorage = NATIVE) -> Profile:
+def method_profile(name: str, model, budget: float, calibrated: Profile | None = None, storage: KVStorage | None = None) -> Profile:
     """The profile that applies method `name` at `budget` to `model`, its kept entries stored as
-    `storage` says (at the same bytes: `precision.at_storage`).
+    `storage` says (at the same bytes: `precision.at_storage`). Without a `storage`, `kvtool`'s
+    recipe keeps the formats it was calibrated with and every other method the model's own.
 
     Per-layer methods need `calibrated` (its ratios are re-derived for `budget` from the stored curves:
     `kvtool` from its scorer's, the PrefixKV methods from the attention-sum ones); the others use the
@@ -137,7 +138,10 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
                 rules = dataclasses.replace(rules, draft=None)
             profile = profile if rules == profile.method else dataclasses.replace(profile, method=rules)
             return at_storage(profile, storage, model, source=name)
-        # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose.
+        # PrefixKV's ratios come from attention-sum curves, whatever scorer the recipe chose, over
+        # entries at the model's own precision (the curves count entries, not bytes).
+        if storage_of(calibrated) != NATIVE:
+            calibrated = at_storage(calibrated, NATIVE, model, source=name)
         base_method = calibrated.method
         own = (
             budget == calibrated.budget
@@ -147,7 +151,7 @@ def method_profile(name: str, model, budget: float, calibrated: Profile | None =
     else:
         profile = uniform_profile(model, budget)
     base = calibrated.method if calibrated is not None else MethodSettings()
-    return at_storage(dataclasses.replace(profile, method=method_settings(name, base)), storage, model, source=name)
+    return at_storage(dataclasses.replace(profile, method=method_settings(name, base)), storage or NATIVE, model, source=name)
 
 
 def method_settings(name: str, base: MethodSettings) -> MethodSettings:

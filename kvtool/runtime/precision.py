@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile, fingerprint_of
 from kvtool.profiles.kept_fraction import check_budget
+from kvtool.profiles.entry_bytes import entry_share
 from kvtool.profiles.schema import KV_FORMATS
 from kvtool.profiles.whole_cache import is_hybrid, rebudget
 from kvtool.runtime.storage import storage_format
@@ -48,9 +49,7 @@ class KVStorage:
 
     def entry_share(self, head_dim: int, native_bytes: int) -> float:
         """A stored (token, head) entry's bytes, key and value with their scales, over a native one's."""
-        stored = storage_format(self.keys).bytes_per_entry(head_dim, native_bytes) \
-            + storage_format(self.values).bytes_per_entry(head_dim, native_bytes)
-        return stored / (2 * head_dim * native_bytes)
+        return entry_share(self.keys, self.values, head_dim, native_bytes)
 
 
 NATIVE = KVStorage()
@@ -61,44 +60,56 @@ def native_bytes(model) -> int:
     return model.dtype.itemsize
 
 
-def entries_for(budget: float, storage: KVStorage, model) -> float:
-    """The share of entries `budget` (a share of the native cache's bytes) keeps at `storage`."""
+def entries_for(budget: float, storage: KVStorage | None, model) -> float:
+    """The share of entries `budget` (a share of the native cache's bytes) keeps at `storage` (None:
+    as a profile's own formats say, which its budget already counts)."""
+    if storage is None:
+        return check_budget(budget)
     head_dim = fingerprint_of(model).head_dim
     return min(1.0, check_budget(budget) / storage.entry_share(head_dim, native_bytes(model)))
 
 
-def at_storage(profile: Profile, storage: KVStorage, model, *, budget: float | None = None, source: str = "profile") -> Profile:
-    """`profile`'s recipe spending `budget` (a share of the native cache's bytes; default the
-    profile's own) on entries stored as `storage` says: the compressing layers' entry ratios
-    re-derived for `entries_for(budget, ...)` by the profile's own rule (none when the profile is
-    already at that share), each layer's formats recorded, and `budget` as the profile's budget.
-    Native storage at the profile's own budget returns it unchanged."""
-    budget = profile.budget if budget is None else check_budget(budget)
-    if not storage.quantized:
-        return profile if budget == profile.budget else rebudget(profile, budget, source=source)[0]
-    if is_hybrid(profile.model):
-        raise KvtoolError(f"{source}: quantized storage on a hybrid model's whole-cache budget is not supported yet; use --kv-format native")
+def check_storage(storage: KVStorage, head_dim: int, source: str) -> None:
+    """A one-line KvtoolError when a format of `storage` cannot store vectors of `head_dim` values."""
     for name in (storage.keys, storage.values):
         try:
-            storage_format(name).check(profile.model.head_dim)
+            storage_format(name).check(head_dim)
         except ValueError as exc:
             raise KvtoolError(f"{source}: {exc}") from None
-    entries = entries_for(budget, storage, model)
-    compressing = [layer for layer in profile.layers if layer.compress]
-    if entries == profile.budget:
-        shaped = profile
-    elif all(layer.priority_curve or layer.loss_curve for layer in compressing):
-        shaped = rebudget(profile, entries, source=source)[0]  # the profile's own rule at that share
-    elif len({layer.ratio for layer in compressing}) == 1:  # one ratio everywhere (uniform_profile)
-        shaped = dataclasses.replace(profile, layers=tuple(
-            dataclasses.replace(layer, ratio=entries) if layer.compress else layer for layer in profile.layers))
-    else:
-        raise KvtoolError(f"{source}: its layers carry no curves to re-derive their ratios at {storage.name}; calibrate it")
+
+
+def with_storage(profile: Profile, storage: KVStorage, model, source: str = "profile") -> Profile:
+    """`profile` with every compressing layer storing its entries as `storage` says, ratios as they
+    are (so its bytes change): what `at_storage` then re-derives at a budget."""
+    if storage.quantized and is_hybrid(profile.model):
+        raise KvtoolError(f"{source}: quantized storage on a hybrid model's whole-cache budget is not supported yet; use --kv-format native")
+    check_storage(storage, profile.model.head_dim, source)
     layers = tuple(
         dataclasses.replace(layer, keys_format=storage.keys, values_format=storage.values) if layer.compress else layer
-        for layer in shaped.layers
+        for layer in profile.layers
     )
-    return dataclasses.replace(shaped, budget=budget, layers=layers)
+    return dataclasses.replace(profile, layers=layers, native_bytes=native_bytes(model) if storage.quantized else None)
+
+
+def at_storage(profile: Profile, storage: KVStorage | None, model, *, budget: float | None = None, source: str = "profile") -> Profile:
+    """`profile`'s recipe spending `budget` (a share of the native cache's bytes; default the
+    profile's own) on entries stored as `storage` says: every compressing layer's formats set, then
+    its entry ratios re-derived by the profile's own rule (its curves, or one ratio everywhere) at
+    the level whose bytes are `budget` (`profiles.byte_budget`). `storage` None keeps the profile's
+    own formats, calibrated per layer or not. A profile already at that storage and budget returns
+    unchanged (native storage at its own budget: bit for bit what it was)."""
+    budget = profile.budget if budget is None else check_budget(budget)
+    current = storage_of(profile)
+    if storage is None or storage == current:
+        return profile if budget == profile.budget else rebudget(profile, budget, source=source)[0]
+    stored = with_storage(profile, storage, model, source)
+    compressing = [layer for layer in stored.layers if layer.compress]
+    if not all(layer.priority_curve or layer.scorer_curve or layer.loss_curve for layer in compressing) \
+            and len({layer.ratio for layer in compressing}) == 1:
+        # One ratio everywhere and no curves (uniform_profile): that ratio at the budget's entries.
+        shaped = dataclasses.replace(stored, method=dataclasses.replace(stored.method, ratios="uniform"))
+        return dataclasses.replace(rebudget(shaped, budget, source=source)[0], method=stored.method)
+    return rebudget(stored, budget, source=source)[0]
 
 
 def storage_of(profile: Profile) -> KVStorage | None:

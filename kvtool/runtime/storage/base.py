@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtool.profiles.entry_bytes import entry_bytes
+
 
 @dataclass
 class Stored:
@@ -97,8 +99,10 @@ class StorageFormat:
         raise NotImplementedError
 
     def bytes_per_entry(self, head_dim: int, native_bytes: int) -> int:
-        """Stored bytes per (token, head) vector, scales and zero points included."""
-        raise NotImplementedError
+        """Stored bytes per (token, head) vector, scales and zero points included: the project's one
+        byte count (`profiles.entry_bytes`), which the encoded tensors' real size is tested against."""
+        self.check(head_dim)
+        return entry_bytes(self.name, head_dim, native_bytes)
 
     def __repr__(self) -> str:
         return f"<storage {self.name}>"

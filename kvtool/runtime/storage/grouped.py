@@ -53,7 +53,3 @@ class GroupedIntFormat(StorageFormat):
         codes = unpack(stored.payload, self.bits).float().unflatten(-1, (-1, self.group))
         values = codes * stored.scale.float()[..., None] + stored.zero.float()[..., None]
         return values.flatten(-2).to(dtype)
-
-    def bytes_per_entry(self, head_dim: int, native_bytes: int) -> int:
-        self.check(head_dim)
-        return head_dim * self.bits // 8 + 2 * (head_dim // self.group) * min(native_bytes, 4)

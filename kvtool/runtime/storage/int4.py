@@ -56,7 +56,3 @@ class Int4Format(StorageFormat):
     def decode(self, stored: Stored, dtype: torch.dtype) -> Tensor:
         scale, zp = self.scale_and_zero(stored)
         return ((unpack(stored.payload, 4).float() - zp) * scale).to(dtype)
-
-    def bytes_per_entry(self, head_dim: int, native_bytes: int) -> int:
-        self.check(head_dim)
-        return head_dim // 2 + 4

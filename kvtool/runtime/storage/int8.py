@@ -33,6 +33,3 @@ class Int8Format(StorageFormat):
 
     def decode(self, stored: Stored, dtype: torch.dtype) -> Tensor:
         return (stored.payload.float() * stored.scale).to(dtype)
-
-    def bytes_per_entry(self, head_dim: int, native_bytes: int) -> int:
-        return head_dim + 4

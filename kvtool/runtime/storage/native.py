@@ -21,6 +21,3 @@ class NativeFormat(StorageFormat):
 
     def decode(self, stored: Stored, dtype: torch.dtype) -> Tensor:
         return stored.payload if stored.payload.dtype == dtype else stored.payload.to(dtype)
-
-    def bytes_per_entry(self, head_dim: int, native_bytes: int) -> int:
-        return head_dim * native_bytes

@@ -1,0 +1,232 @@
+"""A budget in bytes: the per-layer storage and ratio allocation against a brute force, re-budgeting a
+profile whose layers store other formats, the stored-entry layer loss against an independent
+forward, and calibration choosing precision per layer (`--kv-formats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvtool.calibration.layer_loss import measure_layer_losses, nll_per_token
+from kvtool.errors import KvtoolError
+from kvtool.profiles import MethodSettings, read_profile, save_profile
+from kvtool.profiles.byte_budget import BYTE_STEP, RATIO_STEP, byte_share, rebudget_bytes, solve_by_bytes
+from kvtool.profiles.entry_bytes import entry_bytes, entry_share
+from kvtool.profiles.loss_budget import clean_curves
+from kvtool.profiles.whole_cache import rebudget
+from kvtool.runtime import attach
+from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.runtime.precision import NATIVE, KVStorage, at_storage
+from kvtool.runtime.storage import FORMATS, storage_format
+from tiny_models import left_pad, profile_with, prompts, tiny_gemma3, tiny_llama
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_calibrate import sharpened_llama, word_prompts  # noqa: E402
+
+NATIVE_PAIR, INT8, INT4 = ("native", "native"), ("int8", "int8"), ("int4", "int4")
+
+
+def test_the_byte_table_is_what_every_format_stores():
+    for name, fmt in FORMATS.items():
+        for head_dim in (32, 64, 128):
+            x = torch.randn(3, 5, head_dim)
+            assert fmt.encode(x).nbytes() == entry_bytes(name, head_dim, 4) * 15
+    assert entry_share("int8", "int4", 64, 4) == pytest.approx((68 + 36) / 512)
+
+
+def test_allocation_is_the_least_loss_of_every_choice_within_the_bytes():
+    rng = np.random.default_rng(5)
+    head_dim, native, floor = 64, 4, 0.9
+    for _ in range(4):
+        curves = {
+            NATIVE_PAIR: clean_curves(rng.gamma(1.0, 1.0, size=(3, 2))),
+            INT8: clean_curves(rng.gamma(1.0, 0.5, size=(3, 3))),
+        }
+        points = {NATIVE_PAIR: (0.9, 0.95), INT8: (0.9, 0.95, 1.0)}
+        budget = 0.5
+        ratios, storages = solve_by_bytes(curves, points, head_dim, native, budget, floor=floor)
+        grid = np.round(np.arange(floor, 1.0 + 1e-9, RATIO_STEP), 6)
+        options = [(s, r) for s in curves for r in grid]
+
+        def loss(i, s, r):
+            return float(np.interp(r, [*points[s], 1.0][: len(points[s]) + (points[s][-1] < 1)],
+                                   [*curves[s][i], 0.0][: len(points[s]) + (points[s][-1] < 1)]))
+
+        def units(s, r):
+            return int(np.ceil(r * entry_share(*s, head_dim, native) / BYTE_STEP - 1e-9))
+
+        total = int(np.floor(budget * 3 / BYTE_STEP + 1e-9))
+        best = min(
+            sum(loss(i, s, r) for i, (s, r) in enumerate(combo))
+            for combo in itertools.product(options, repeat=3)
+            if sum(units(s, r) for s, r in combo) <= total
+        )
+        got = sum(loss(i, s, r) for i, (s, r) in enumerate(zip(storages, ratios)))
+        assert got == pytest.approx(best, abs=1e-12)
+        assert sum(units(s, r) for s, r in zip(storages, ratios)) <= total
+
+
+def _mixed(model, budget=0.2):
+    base = profile_with(model, [0.3, 0.5, 0.2])
+    base = dataclasses.replace(base, method=dataclasses.replace(base.method, ratios="uniform"))
+    layers = tuple(dataclasses.replace(layer, keys_format=k, values_format=v)
+                   for layer, (k, v) in zip(base.layers, [INT8, INT4, ("int8", "int4")]))
+    return dataclasses.replace(base, layers=layers, native_bytes=8, budget=budget)
+
+
+def test_rebudget_keeps_each_layers_formats_and_spends_the_new_bytes():
+    profile = _mixed(tiny_llama())
+    for budget in (0.02, 0.05, 0.1):
+        again, _ = rebudget(profile, budget)
+        assert [(layer.keys_format, layer.values_format) for layer in again.layers] == [INT8, INT4, ("int8", "int4")]
+        assert again.budget == budget
+        assert byte_share(again) <= budget + 1e-12
+        assert byte_share(again) == pytest.approx(budget, abs=1e-6)
+    # float64 entries at 8 and 4 bits: everything kept costs 0.125 of the bytes, so 0.3 keeps all.
+    assert rebudget_bytes(profile, 0.3)[0].ratios == [1.0, 1.0, 1.0]
+
+
+def test_at_storage_goes_both_ways_and_leaves_a_native_profile_alone():
+    model = tiny_llama(dtype=torch.float32)
+    native = profile_with(model, 0.2)
+    assert at_storage(native, None, model) is native and at_storage(native, NATIVE, model) is native
+    stored = at_storage(native, KVStorage.parse("int8"), model)
+    share = entry_share("int8", "int8", model.config.head_dim, 4)
+    assert stored.native_bytes == 4 and stored.budget == native.budget
+    assert byte_share(stored) == pytest.approx(0.2, abs=1e-6)
+    assert stored.ratios[0] == pytest.approx(0.2 / share, abs=1e-6)
+    back = at_storage(stored, NATIVE, model)
+    assert back.native_bytes is None and back.ratios == pytest.approx([0.2] * 3)
+
+
+def test_a_quantized_profile_round_trips_and_must_say_its_native_bytes(tmp_path):
+    profile = _mixed(tiny_llama())
+    path = tmp_path / "p.yaml"
+    save_profile(profile, path)
+    assert read_profile(path).layers == profile.layers and read_profile(path).native_bytes == 8
+    doc = yaml.safe_load(path.read_text())
+    del doc["native_bytes"]
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(KvtoolError, match="native_bytes") as raised:
+        read_profile(path)
+    assert "\n" not in str(raised.value)
+
+
+def _round_trip_attention(layer: int, storage: tuple[str, str], prompt_len: int):
+    """An attention that, in `layer`, lets the rows after the prompt read every key and value as
+    `storage` stores them (the prompt's rows attend at full precision, as the runtime's prompt does)."""
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal=True, **kwargs)
+        if module.layer_idx != layer:
+            return out, None
+        k_fmt, v_fmt = (storage_format(name) for name in storage)
+        k, v = k_fmt.decode(k_fmt.encode(key), key.dtype), v_fmt.decode(v_fmt.encode(value), value.dtype)
+        late, _ = sdpa_attention_forward(module, query, k, v, attention_mask, dropout, scaling, is_causal=True, **kwargs)
+        out = out.clone()
+        out[:, prompt_len:] = late[:, prompt_len:]
+        return out, None
+
+    return forward
+
+
+@torch.no_grad()
+def test_stored_loss_with_nothing_dropped_is_the_nll_of_reading_stored_entries():
+    model = tiny_llama(dtype=torch.float64)
+    seq = prompts([30], seed=4)[0]
+    prompt, ref = seq[:24], seq[24:]
+    batch = SimpleNamespace(**left_pad([prompt]), extras={})
+    state = SimpleNamespace(batch=batch, references=SimpleNamespace(tokens=ref[None], scored=torch.ones(1, 6, dtype=torch.bool)))
+    storages = [INT8, ("int8", "int4")]
+    losses = measure_layer_losses(model, [state], MethodSettings(sink_tokens=2, recent_window=3), [0, 2], tokens=6, storages=storages)
+    assert losses.stored_ratios[-1] == 1.0 and set(losses.stored) == set(storages)
+    full = nll_per_token(model(seq[None]).logits[:, 24:], ref)
+    try:
+        for j, layer in enumerate([0, 2]):
+            for storage in storages:
+                AttentionInterface.register("byte_budget_test", _round_trip_attention(layer, storage, 24))
+                model.set_attn_implementation("byte_budget_test")
+                stored = nll_per_token(model(seq[None]).logits[:, 24:], ref)
+                model.set_attn_implementation("sdpa")
+                assert losses.stored[storage][0, j, -1] == pytest.approx(stored - full, abs=1e-9)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    from kvtool.calibration.runner import calibrate
+
+    tiny = sharpened_llama((400.0, 60.0, 1.0))
+    run = calibrate(
+        tiny, 0.2, data=word_prompts(6), samples=4, seed=1, reference_tokens=6, candidates=(0, 8), search=None,
+        method=MethodSettings(ratios="measured"), kv_formats=("int8", "int4"), max_prompt_overhead=None,
+    )
+    return tiny, run.profile
+
+
+def test_calibration_chooses_storage_per_layer_within_the_bytes(calibrated, tmp_path):
+    tiny, profile = calibrated
+    assert profile.native_bytes == 4 and profile.budget == 0.2
+    assert byte_share(profile) <= 0.2 + 1e-9
+    assert any(layer.keys_format != "native" for layer in profile.layers)
+    save_profile(profile, tmp_path / "p.yaml")
+    again = read_profile(tmp_path / "p.yaml")
+    assert [(l.ratio, l.keys_format, l.values_format) for l in again.layers] == [
+        (l.ratio, l.keys_format, l.values_format) for l in profile.layers]
+
+
+@torch.no_grad()
+def test_the_calibrated_cache_holds_its_bytes(calibrated):
+    tiny, profile = calibrated
+    model, tokenizer = tiny.model, tiny.tokenizer
+    text = " ".join(word_prompts(1, seed=9, low=300, high=300)[0].prompt.split())
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    n, new, head_dim = ids.shape[1], 3, profile.model.head_dim
+    handle = attach(model, profile)
+    try:
+        cache = handle.bare_cache()
+        model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
+        heads = model.config.num_key_value_heads
+        # What is held is every slot's stored row, spare slots included, and each slot's bookkeeping
+        # (validity, position, score: a few bytes a slot, not per head).
+        rows = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+        slots = sum(layer.keys.shape[0] * layer.keys.shape[2] for layer in cache.layers)
+        assert rows < kv_bytes(cache) <= rows + 16 * slots
+        kept = 0
+        for layer, config in zip(cache.layers, profile.layers):
+            entry = entry_bytes(config.keys_format, head_dim, 4) + entry_bytes(config.values_format, head_dim, 4)
+            assert layer.keys.shape[-1] == entry_bytes(config.keys_format, head_dim, 4)
+            assert int(layer.kept[0]) <= np.ceil(config.ratio * n) + new
+            kept += int(layer.kept[0]) * heads * entry
+        # The kept entries' bytes: the profile's share of the prompt's, plus the new tokens'.
+        full_prompt = kv_bytes_full(cache) * n / (n + new - 1)
+        assert kept <= byte_share(profile) * full_prompt + new * heads * 2 * head_dim * 4 * len(cache.layers)
+    finally:
+        handle.detach()
+
+
+def test_bad_precision_requests_are_one_line_errors():
+    from kvtool.calibration.runner import calibrate
+
+    cases = [
+        (tiny_gemma3(dtype=torch.float32), {"kv_formats": ("int8",), "method": MethodSettings(ratios="measured")}, "sliding-window"),
+        (tiny_llama(dtype=torch.float32), {"kv_formats": ("int4-g32",), "method": MethodSettings(ratios="measured")}, "int4-g32"),
+        (tiny_llama(dtype=torch.float32), {"kv_formats": ("int9",)}, "int9"),
+    ]
+    from test_calibrate import loaded
+
+    for model, settings, words in cases:
+        with pytest.raises(KvtoolError, match=words) as raised:
+            calibrate(loaded(model), 0.3, data=word_prompts(4), samples=3, reference_tokens=4, candidates=(0,), search=None, **settings)
+        assert "\n" not in str(raised.value)
