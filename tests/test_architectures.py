@@ -1,5 +1,8 @@
 """Other architectures: each compresses exactly (budget 1.0 is the model, a padded batch is its rows
-alone, every layer holds its share) or refuses in one line that names what kvtool does not support."""
+alone, every layer holds its share). Families with their own attention math or cache structure have
+their own files (test_family_attention.py: Gemma 2, gpt-oss; test_family_mla.py; test_family_hybrid.py:
+linear-attention and Mamba hybrids, Llama 4; test_family_vlm.py), and test_auto_families.py walks every
+auto-mapped architecture, each compressing exactly or refused in one line."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import pytest
 import torch
 import transformers as tf
 
-from kvtool.errors import KvtoolError
 from kvtool.models.forward import with_cache
 from kvtool.runtime import attach, uniform_profile
 from tiny_models import GREEDY, VOCAB, left_pad, prompts
@@ -39,20 +41,6 @@ def mistral():  # a sliding window on every layer
     return build(tf.MistralConfig, tf.MistralForCausalLM, sliding_window=12)
 
 
-def llama4():  # chunked attention layers
-    return build(tf.Llama4TextConfig, tf.Llama4ForCausalLM, attention_chunk_size=8, intermediate_size_mlp=128,
-                 num_local_experts=1, head_dim=16)
-
-
-def gpt_oss():  # learned attention sinks, 128-token windows
-    return build(tf.GptOssConfig, tf.GptOssForCausalLM, attn="eager", head_dim=16, num_local_experts=2, num_experts_per_tok=1,
-                 sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-
-
-def gemma2():  # logit soft-capping
-    return build(tf.Gemma2Config, tf.Gemma2ForCausalLM, attn="eager", head_dim=16, sliding_window=8)
-
-
 @pytest.mark.parametrize("make", [qwen3, phi3, mistral], ids=["qwen3", "phi3", "mistral"])
 def test_compresses_exactly(make):
     model = make()
@@ -73,16 +61,3 @@ def test_compresses_exactly(make):
                 single = model.generate(**left_pad([seq]), max_new_tokens=NEW, **with_cache(model, handle.new_cache()), **GREEDY)
                 alone = single.sequences[0, len(seq):]
                 assert torch.equal(alone, batch.sequences[i, -NEW:][: len(alone)]), f"sequence {i}"
-
-
-@pytest.mark.parametrize(
-    "make,named",
-    [(llama4, "chunked_attention"), (gpt_oss, "attention sinks"), (gemma2, "soft-capping")],
-    ids=["llama4", "gpt-oss", "gemma2"],
-)
-def test_refuses_in_one_line(make, named):
-    model = make()
-    profile = uniform_profile(model, 1.0) if named != "chunked_attention" else None
-    with pytest.raises(KvtoolError) as err:
-        attach(model, profile or uniform_profile(model, 1.0))
-    assert named in str(err.value) and "\n" not in str(err.value)

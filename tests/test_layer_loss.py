@@ -191,6 +191,29 @@ def test_measurement_over_padded_batches_gives_each_layer_its_curve():
     np.testing.assert_allclose(losses.curves, clean_curves(losses.deltas.mean(axis=0)))
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+@torch.no_grad()
+def test_nothing_masked_is_the_models_own_loss_with_soft_capping_and_sinks(family):
+    """The measurement's attention is the model's: soft-capped logits (Gemma 2) and sink logits
+    (gpt-oss) included, so with every column kept the reference's NLL is the model's own, and keeping
+    fewer columns changes it."""
+    import tiny_models
+
+    model = getattr(tiny_models, f"tiny_{family}")()
+    seq = prompts([30], seed=6)[0]
+    prompt, ref = seq[:24], seq[24:]
+    state = SimpleNamespace(
+        batch=SimpleNamespace(**left_pad([prompt]), extras={}),
+        references=SimpleNamespace(tokens=ref[None], scored=torch.ones(1, 6, dtype=torch.bool)),
+    )
+    full = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+    losses = measure_layer_losses(model, [state], MethodSettings(sink_tokens=1, recent_window=2), full, ratios=(0.2, 1.0), tokens=6)
+    own = nll_per_token(model(seq[None]).logits[:, 24:], ref)
+    assert losses.full_nll[0] == pytest.approx(own, abs=1e-5)
+    assert np.abs(losses.deltas[0, :, -1]).max() < 1e-5  # ratio 1.0 keeps every column
+    assert np.abs(losses.deltas[0, :, 0]).max() > 1e-4
+
+
 def test_nll_per_token_matches_a_float64_log_softmax():
     generator = torch.Generator().manual_seed(0)
     logits = 4 * torch.randn(3, 9, 5000, generator=generator)

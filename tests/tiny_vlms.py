@@ -201,3 +201,166 @@ def save_tiny_llava(directory, tokenizer, seed: int = 0):
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+# ----- more families: Qwen2.5-VL, Qwen3-VL, Idefics3 / SmolVLM, LLaVA-OneVision, Mistral 3 (Pixtral)
+
+
+@dataclass
+class TinyVLMInputs(TinyVLM):
+    """A TinyVLM whose prompts carry more inputs than the ids and pixels: `extra(ids)` gives them."""
+
+    extra: Callable[[torch.Tensor], dict] | None = None
+
+    def batch(self, lengths: list[int], seed: int = 1) -> dict[str, torch.Tensor]:
+        inputs = super().batch(lengths, seed)
+        if self.extra is not None:
+            inputs.update(self.extra(inputs["input_ids"]))
+        return inputs
+
+
+def _qwen_pixels(n: int, g: torch.Generator) -> dict:
+    t, h, w = QWEN_GRID
+    patch_dim = 3 * QWEN_TEMPORAL * QWEN_PATCH * QWEN_PATCH
+    return {
+        "pixel_values": torch.randn(n * t * h * w, patch_dim, generator=g, dtype=torch.float64),
+        "image_grid_thw": torch.tensor([QWEN_GRID] * n),
+    }
+
+
+def _qwen_wrap(block: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.tensor([IMAGE_START]), block, torch.tensor([IMAGE_END])])
+
+
+def _mm_token_types(ids: torch.Tensor) -> dict:
+    return {"mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+
+
+def _qwen_text(**rope) -> dict:
+    return dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], **rope}, **SPECIAL,
+    )
+
+
+def tiny_qwen2_5_vl(seed: int = 0) -> TinyVLM:
+    """Qwen2.5-VL: 2-block windowed vision tower (the second block full attention), 4 image tokens, mrope text model."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, in_channels=3,
+        patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=QWEN_TEMPORAL,
+        window_size=16, fullatt_block_indexes=[1],
+    )
+    cfg = Qwen2_5_VLConfig(
+        text_config=_qwen_text(), vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 3,
+        vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, **SPECIAL,
+    )
+    model = _finish(Qwen2_5_VLForConditionalGeneration(cfg))
+    t, h, w = QWEN_GRID
+    return TinyVLMInputs("qwen2.5-vl", model, t * h * w // QWEN_MERGE**2, _qwen_pixels, _qwen_wrap, _mm_token_types)
+
+
+def tiny_qwen3_vl(seed: int = 0) -> TinyVLM:
+    """Qwen3-VL: 2-block vision tower with one deepstack layer, 4 image tokens, interleaved-mrope text model."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, in_channels=3,
+        patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=QWEN_TEMPORAL,
+        num_position_embeddings=16, deepstack_visual_indexes=[0],
+    )
+    cfg = Qwen3VLConfig(
+        text_config=_qwen_text(mrope_interleaved=True), vision_config=vision, image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN + 3, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, **SPECIAL,
+    )
+    model = _finish(Qwen3VLForConditionalGeneration(cfg))
+    t, h, w = QWEN_GRID
+    return TinyVLMInputs("qwen3-vl", model, t * h * w // QWEN_MERGE**2, _qwen_pixels, _qwen_wrap, _mm_token_types)
+
+
+def _llama_text(**extra) -> dict:
+    return dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **SPECIAL, **extra,
+    )
+
+
+def _square_pixels(*shape: int) -> Callable[[int, torch.Generator], dict]:
+    """`n` random 32-px RGB images as a [n, *shape, 3, 32, 32] `pixel_values`."""
+    return lambda n, g: {"pixel_values": torch.randn(n, *shape, 3, 32, 32, generator=g, dtype=torch.float64)}
+
+
+def tiny_mistral3(seed: int = 0) -> TinyVLM:
+    """Mistral 3: 1-layer Pixtral tower (32-px images, 8-px patches merged 2x2: 4 image tokens), 3-layer Mistral."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=32, patch_size=8, head_dim=16)
+    text = {**_llama_text(), "model_type": "mistral", "sliding_window": None}
+    cfg = Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, spatial_merge_size=2,
+                         **SPECIAL)
+    model = _finish(Mistral3ForConditionalGeneration(cfg))
+
+    def pixels(n: int, g: torch.Generator) -> dict:
+        return {**_square_pixels()(n, g), "image_sizes": torch.tensor([[32, 32]] * n)}
+
+    return TinyVLM("mistral3", model, 4, pixels, lambda block: torch.cat([block, torch.tensor([IMAGE_END])]))
+
+
+def _idefics_pixels(n: int, g: torch.Generator) -> dict:
+    return {**_square_pixels(1)(n, g), "pixel_attention_mask": torch.ones(n, 1, 32, 32, dtype=torch.bool)}
+
+
+def tiny_idefics3(seed: int = 0) -> TinyVLM:
+    """Idefics3: 1-layer SigLIP-style tower (32-px images, 8-px patches, pixel-shuffled by 2: 4 image tokens), 3-layer Llama."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = Idefics3Config(vision_config=vision, text_config=_llama_text(), image_token_id=IMAGE_TOKEN, scale_factor=2,
+                         **SPECIAL)
+    model = _finish(Idefics3ForConditionalGeneration(cfg))
+    return TinyVLM("idefics3", model, 4, _idefics_pixels, _qwen_wrap)
+
+
+def tiny_smolvlm(seed: int = 0) -> TinyVLM:
+    """SmolVLM: Idefics3's shape (4 image tokens), its own model classes."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = SmolVLMConfig(vision_config=vision, text_config=_llama_text(), image_token_id=IMAGE_TOKEN, scale_factor=2,
+                        **SPECIAL)
+    model = _finish(SmolVLMForConditionalGeneration(cfg))
+    return TinyVLM("smolvlm", model, 4, _idefics_pixels, _qwen_wrap)
+
+
+def tiny_llava_onevision(seed: int = 0) -> TinyVLM:
+    """LLaVA-OneVision: 1-layer SigLIP tower, any-resolution with one 32-px tile (the base image and the
+    tile, 16 patches each, the tile's rows each ended by a newline feature: 36 image tokens), 3-layer Qwen2."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    text = {**_llama_text(), "model_type": "qwen2"}
+    cfg = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                               video_token_index=IMAGE_TOKEN + 3, image_grid_pinpoints=[[32, 32]],
+                               vision_feature_layer=-1, **SPECIAL)
+    model = _finish(LlavaOnevisionForConditionalGeneration(cfg))
+
+    def pixels(n: int, g: torch.Generator) -> dict:
+        return {**_square_pixels(2)(n, g), "image_sizes": torch.tensor([[32, 32]] * n)}
+
+    return TinyVLM("llava-onevision", model, 36, pixels, lambda block: block)
+
+
+MORE_BUILDERS = {
+    "qwen2.5-vl": tiny_qwen2_5_vl, "qwen3-vl": tiny_qwen3_vl, "idefics3": tiny_idefics3, "smolvlm": tiny_smolvlm,
+    "llava-onevision": tiny_llava_onevision, "mistral3": tiny_mistral3,
+}

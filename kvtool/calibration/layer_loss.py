@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from kvtool.errors import KvtoolError
 from kvtool.profiles import MethodSettings
 from kvtool.profiles.loss_budget import LOSS_RATIOS, clean_curves
+from kvtool.runtime.importance.logits import cap_, dense_attention, is_plain, layer_scale, sink_view, softmax_
 from kvtool.runtime.importance.union import rank_share
 from kvtool.runtime.storage import storage_format
 
@@ -44,6 +45,8 @@ STORED_RATIOS = (0.2, 0.4, 1.0)
 # kvtool's union scorer as the shipped recipes run it: a 32-row observation window, pooled over 15.
 WINDOW, POOL = 32, 15
 STAGE_LAYER_LOSS = "layer loss"
+# The layer kinds whose prompt the reference reaches through attention alone (`measurable`).
+MEASURED_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 _NAME = "kvtool_layer_loss"
 
 
@@ -77,9 +80,10 @@ class _Attention:
     reference up to themselves; in each layer of `keep` only its kept prompt columns: [Hkv, n], or
     [B, Hkv, n] for a batch of B variants of the reference (one mask each)."""
 
-    def __init__(self, measured: Sequence[int], windows: dict[int, int]) -> None:
+    def __init__(self, measured: Sequence[int], windows: dict[int, int], chunks: dict[int, int] | None = None) -> None:
         self.measured = set(measured)
         self.windows = windows  # sliding layers' windows (a row sees the columns less than this far back)
+        self.chunks = chunks or {}  # chunked layers' chunk sizes (Llama 4: a row sees its own chunk's columns)
         self.mode = "score"
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -95,12 +99,15 @@ class _Attention:
         allowed = column <= position
         if layer in self.windows:
             allowed &= position - column < self.windows[layer]
+        if layer in self.chunks:
+            allowed &= position // self.chunks[layer] == column // self.chunks[layer]
         return allowed
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         batch, hq, rows = query.shape[:3]
         layer, group = module.layer_idx, hq // key.shape[1]
-        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        # The model's own logits: soft-capped (Gemma 2) and with sink logits (gpt-oss) where it has them.
+        scaling = layer_scale(module, scaling, query, kwargs)
         if self.mode == "score":
             self.keys[layer], self.values[layer] = key, value
             first = 0
@@ -116,10 +123,13 @@ class _Attention:
             keep = keep[None] if keep.dim() == 2 else keep
             allowed = allowed.clone()
             allowed[..., :first] &= keep.repeat_interleave(group, dim=1)[:, :, None, :]
+        if not is_plain(scaling) and not (self.mode == "score" and layer in self.measured):
+            out = dense_attention(query, key, value, allowed, scaling)  # per-head kept columns: [B, Hq, q, k]
+            return out, None
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         if self.mode == "score" and layer in self.measured:
-            logits = (query @ key.transpose(-1, -2)) * scaling
-            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+            logits = cap_((query @ key.transpose(-1, -2)) * float(scaling), scaling)
+            probs = softmax_(logits.masked_fill(~allowed, float("-inf")), sink_view(scaling, (1, hq, 1, 1), logits.dtype, logits.device))
             per_kv = probs[0].float().view(-1, group, rows, rows)
             sums = per_kv.sum(dim=2).mean(dim=1)  # [Hkv, n]
             window = per_kv[:, :, -WINDOW:, :].sum(dim=2).mean(dim=1)
@@ -128,7 +138,7 @@ class _Attention:
             self.scores[layer] = torch.maximum(rank_share(sums[None], valid), rank_share(window[None], valid))[0]
             out = probs @ value
         else:
-            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=float(scaling))
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -166,7 +176,10 @@ class _Layers:
     def __init__(self, model: Any) -> None:
         self.model = model
         decoder = model.get_decoder()
-        self.layers, self.norm = decoder.layers, decoder.norm
+        if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):  # Llama 4's is the model itself
+            decoder = next(m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
+        self.layers = decoder.layers
+        self.norm = next(getattr(decoder, name) for name in ("norm", "final_layernorm", "norm_f") if hasattr(decoder, name))
         self.head = model.get_output_embeddings()
         self.softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
         self.calls: list[tuple[tuple, dict]] = []
@@ -220,8 +233,14 @@ def nll_per_token(logits: torch.Tensor, reference: torch.Tensor) -> float | list
 
 def measurable(model: Any) -> str | None:
     """Why this model's layer losses cannot be measured here (None: they can)."""
-    if model.config.get_text_config(decoder=True) is not model.config:
+    text = model.config.get_text_config(decoder=True)
+    if text is not model.config:
         return "the measured ratio source runs on text models only"
+    # A reference run after the prompt without a cache sees the prompt only through attention: a
+    # linear-attention or Mamba layer would have carried it in a state this measurement does not replay.
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - set(MEASURED_KINDS))
+    if other:
+        return f"the measured ratio source runs on attention layers only (this model has {', '.join(other)} layers)"
     return None
 
 
@@ -270,7 +289,8 @@ def measure_layer_losses(
     config = model.config.get_text_config(decoder=True)
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     windows = {i: config.sliding_window for i, kind in enumerate(kinds) if kind == "sliding_attention"}
-    attention = _Attention(layers, windows)
+    chunks = {i: config.attention_chunk_size for i, kind in enumerate(kinds) if kind == "chunked_attention"}
+    attention = _Attention(layers, windows, chunks)
     AttentionInterface.register(_NAME, attention)
     previous = config._attn_implementation
     runner = _Layers(model)

@@ -10,6 +10,7 @@ merge-mode tuning of the given recipe; the record of the run; the file.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,8 @@ from kvtool.models.queries import unsupported
 from kvtool.profiles import MethodSettings, Profile, fingerprint_of, save_profile, whole_cache
 from kvtool.profiles.schema import QUERY_SCORERS
 from kvtool.runtime.eviction import EVICT_RULES
+from kvtool.runtime.layer.latent import latent_expanders
+from kvtool.runtime.layer.limits import draft_refusal
 from kvtool.runtime.precision import KVStorage, check_storage, native_bytes
 from kvtool.scoring import encode_batches
 
@@ -69,6 +72,9 @@ class CalibrationResult:
     # Each compressing layer's measured loss (calibration.layer_loss), when a recipe could take its
     # ratios from it; None otherwise.
     losses: LayerLosses | None = None
+    # What the run changed of its settings because the model's layers cannot do it (one line each,
+    # also logged): e.g. no draft on a model whose layers keep a draft's rows.
+    notes: tuple[str, ...] = ()
 
 
 def queried(settings: MethodSettings) -> bool:
@@ -195,6 +201,16 @@ def calibrate(
         )
     for storage in storages:
         check_storage(storage, fingerprint_of(loaded.model).head_dim, "--kv-formats")
+    notes = []
+    no_draft = draft_refusal(loaded.model, fingerprint_of(loaded.model).layer_types) if config.draft is not None else None
+    if no_draft is not None:  # a profile with it would be refused at attach: it goes without, said in one line
+        config = replace(config, draft=None, draft_stage=False)
+        notes.append(f"{loaded.model.config.model_type}: {no_draft}; the profile has none")
+    if space is not None and latent_expanders(loaded.model):
+        # MLA caches one latent for every head: per-head entries are refused at attach.
+        space = replace(space, heads=("shared",))
+    for note in notes:
+        logging.getLogger("kvtool").warning(note)
     if space is not None and fingerprint_of(loaded.model).num_kv_heads == 1:
         # One KV head: per-head entries are the shared ones (Gemma 3 270M's per-head trials measured
         # the shared ones' PPLs to the last digit), so the heads stage would measure them again.
@@ -319,4 +335,5 @@ def calibrate(
         recipes=recipes,
         windows=windows,
         losses=losses,
+        notes=tuple(notes),
     )

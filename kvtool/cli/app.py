@@ -22,6 +22,8 @@ app.add_typer(inspect_app, name="inspect")
 def _register() -> None:
     # Imported here so `kvtool --help` stays quick and each command lives in its own module.
     from kvtool.cli import bench, calibrate, eval_cmd, generate, inspect_cmd, inspect_gini  # noqa: F401
+    from kvtool.cli import serve_cmd  # noqa: F401
+    from kvtool.cli import export_cmd  # noqa: F401
 
 
 def main() -> None:

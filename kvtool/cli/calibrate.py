@@ -1,6 +1,6 @@
 """`kvtool calibrate MODEL --budget B`: measure a model's per-layer importance and write a profile.
 
-Over 300 lines because most of it is the options' help text and the report of what calibration
+Over 400 lines because most of it is the options' help text and the report of what calibration
 chose, which belong with the command they describe.
 """
 
@@ -154,6 +154,25 @@ def calibrate_command(
             "full-attention layers by measured PPL on prompts past the window.",
         ),
     ] = 4096,  # kvtool.calibration.config.DEFAULT_BUDGET_TOKENS (a test keeps them equal)
+    kv_formats: Annotated[
+        str,
+        typer.Option(
+            "--kv-formats",
+            help="Storages each layer may keep its entries in beside the model's own precision, comma-separated "
+            "(int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES such as int8/int4-g32): the measured ratio source "
+            "then chooses per layer a storage and a ratio by measured loss within the budget's bytes. 'native': "
+            "the model's precision only. Models without sliding-window layers.",
+        ),
+    ] = "native",
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            "--engine",
+            help="Also search what a serving engine can serve at the same bytes (vllm: one recency-window size, one "
+            "KV dtype, skipped layers at native precision; trtllm: a window per layer, auto or fp8), emulated with the "
+            "engine's semantics on the same prompts, and record its PPL beside kvtool's (`kvtool export --engine`).",
+        ),
+    ] = None,
 ) -> None:
     """Calibrate a model at a budget: choose the recipe, its per-layer ratios (PrefixKV) and D; write a profile."""
     # Imported here so `kvtool --help` does not pay for torch/transformers.
@@ -184,9 +203,19 @@ def calibrate_command(
         draft_stage=draft_stage,
         max_prompt_overhead=overhead_limit,
         budget_tokens=budget_tokens,
+        kv_formats=tuple(part.strip() for part in kv_formats.split(",") if part.strip()),
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )
+    if engine is not None:
+        from kvtool.calibration.engine import calibrate_for_engine, describe, engine_space
+
+        engine_space(engine)  # an unknown engine before any model work
+        with StageBars(Console(stderr=True)) as bars:
+            run = calibrate_for_engine(model, model_budget, engine, data=data, out=dest, config=config, progress=bars)
+        render_summary(Console(), run.result)
+        Console().print(Text(describe(run)))
+        return
     with StageBars(Console(stderr=True)) as bars:
         result = calibrate(model, model_budget, data=data, out=dest, config=config, progress=bars)
     render_summary(Console(), result)

@@ -108,15 +108,26 @@ def _load_from(where: str, source: ModelSource, dtype: torch.dtype) -> tuple[Any
 
             processor = _processor(where, options)
             tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(where, **options)
-            model = AutoModelForImageTextToText.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
+            model = _from_pretrained(AutoModelForImageTextToText, where, dtype, options)
         else:
             tokenizer = AutoTokenizer.from_pretrained(where, **options)
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
+            model = _from_pretrained(AutoModelForCausalLM, where, dtype, options)
     except (OSError, ValueError, KeyError) as exc:
         # transformers raises these for unreadable/unsupported checkpoints; keep it to one line.
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvtoolError(f"cannot load model '{source.name}' from {where}: {first_line}") from exc
     return model, tokenizer, processor
+
+
+def _from_pretrained(auto: Any, where: str, dtype: Any, options: dict[str, Any]) -> Any:
+    """The model with sdpa attention, or its own eager attention where the family refuses sdpa
+    (Gemma 2's soft-capping, gpt-oss's sinks: transformers raises a ValueError naming sdpa)."""
+    try:
+        return auto.from_pretrained(where, dtype=dtype, attn_implementation="sdpa", **options)
+    except ValueError as exc:
+        if "sdpa" not in str(exc).lower() and "scaled_dot_product" not in str(exc).lower():
+            raise
+        return auto.from_pretrained(where, dtype=dtype, attn_implementation="eager", **options)
 
 
 def _processor(where: str, options: dict[str, Any]) -> Any:

@@ -53,10 +53,33 @@ def unsupported(model) -> str | None:
     if isinstance(rope, dict) and rope.get("mrope_section"):
         return f"{model.config.model_type}: multimodal RoPE (3-D positions) is not supported by the expected-attention scorer"
     try:
-        _decoder(model)
+        decoder = _decoder(model)
     except KvtoolError as error:
         return str(error)
+    for index, block in enumerate(decoder.layers):
+        attn = getattr(block, "self_attn", None)
+        if attn is None:  # a linear-attention or Mamba layer (Qwen3-Next, Jamba, ...): no query to tap
+            return f"{model.config.model_type}: layer {index} has no attention module (expected-attention needs one per layer)"
+        if callable(getattr(attn, "expand_kv", None)):  # MLA: the cached keys are latents, not per-head keys
+            return f"{model.config.model_type}: multi-head latent attention is not supported by the expected-attention scorer"
+        if not hasattr(attn, "q_proj") or not hasattr(attn, "head_dim"):
+            return f"{model.config.model_type}: layer {index} has no q_proj / head_dim (expected-attention needs them)"
+    if _complex_rotary(decoder.rotary_emb):
+        return f"{model.config.model_type}: complex-valued RoPE is not supported by the expected-attention scorer (it reads cos and sin)"
     return None
+
+
+def _complex_rotary(rotary: torch.nn.Module) -> bool:
+    """Whether the rotary embedding gives one complex tensor (Llama 4's freqs_cis), not (cos, sin)."""
+    buffer = next(rotary.buffers(), None)
+    device = buffer.device if buffer is not None else None
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    try:
+        with torch.no_grad():
+            out = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device))
+    except (TypeError, ValueError, RuntimeError, KeyError):  # needs more than positions: it gives (cos, sin)
+        return False
+    return torch.is_tensor(out) and torch.is_complex(out)
 
 
 def _check_rope(model) -> None:

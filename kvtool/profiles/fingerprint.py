@@ -9,6 +9,7 @@ from kvtool.profiles.schema import ModelFingerprint
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"
 
 
 def fingerprint_of(model_or_config: Any, name: str | None = None) -> ModelFingerprint:
@@ -33,6 +34,9 @@ def fingerprint_of(model_or_config: Any, name: str | None = None) -> ModelFinger
         vocab_size=_required_int(text, "vocab_size"),
         layer_types=_layer_types(text, num_layers),
         sliding_window=_optional_int(text, "sliding_window") if SLIDING_ATTENTION in _layer_types(text, num_layers) else None,
+        attention_chunk_size=(
+            _optional_int(text, "attention_chunk_size") if CHUNKED_ATTENTION in _layer_types(text, num_layers) else None
+        ),
     )
 
 
@@ -86,6 +90,6 @@ def _layer_types(config: Any, num_layers: int) -> tuple[str, ...]:
         if getattr(config, "sliding_window", None) is not None:
             return (SLIDING_ATTENTION,) * num_layers
         if getattr(config, "attention_chunk_size", None) is not None:
-            return ("chunked_attention",) * num_layers
+            return (CHUNKED_ATTENTION,) * num_layers
         return (FULL_ATTENTION,) * num_layers
     return tuple(str(t) for t in types)

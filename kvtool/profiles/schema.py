@@ -65,6 +65,9 @@ class ModelFingerprint:
     # The sliding-window layers' window in tokens (transformers' layer stores window - 1 of them);
     # None for models without one, and in profiles made before the field existed.
     sliding_window: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
+    # The chunked layers' chunk in tokens (Llama 4; transformers' layer stores chunk - 1 of them);
+    # None for models without one, and in profiles made before the field existed.
+    attention_chunk_size: int | None = field(default=None, metadata=rule(low=1, omit_none=True))
 
     def mismatches(self, other: "ModelFingerprint") -> list[str]:
         """Fields that make `other` incompatible (the name alone never does)."""

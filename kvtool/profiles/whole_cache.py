@@ -7,7 +7,8 @@ as it stores:
 
     sum_l kept_l(L) = budget * sum_l stored_l(L),   L = budget_tokens
 
-with stored_l(L) = min(L, W - 1) for a sliding layer and L for a full one; kept_l(L) is min(L, w_l)
+with stored_l(L) = min(L, W - 1) for a sliding layer (min(L, C - 1) for a chunked one, Llama 4, which
+kvtool leaves as transformers keeps it) and L for a full one; kept_l(L) is min(L, w_l)
 for a window-shaped layer (its first `sinks` tokens and the most recent, w_l entries at most: what
 engines accept as a per-layer window), ceil(R_l * L) for a layer kept by ratio, stored_l(L) for one
 kvtool leaves alone. Given the windows, the full-attention layers' mean ratio is what is left
@@ -28,7 +29,7 @@ from kvtool.profiles.allocation import Allocation
 from kvtool.profiles.budget import MIN_RATIO, rebudget_ratios
 from kvtool.profiles.byte_budget import is_quantized, rebudget_bytes
 from kvtool.profiles.kept_fraction import check_budget
-from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
+from kvtool.profiles.fingerprint import CHUNKED_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.profiles.schema import LayerProfile, ModelFingerprint, Profile
 
 # Where people compress: the prompt length a hybrid profile's budget is held at unless calibration is told otherwise.
@@ -70,6 +71,10 @@ def stored(kind: str, tokens: int, fingerprint: ModelFingerprint) -> int:
     """Entries the full cache's layer of `kind` holds after `tokens` tokens."""
     if kind in NO_ENTRIES:
         return 0
+    if kind == CHUNKED_ATTENTION and fingerprint.attention_chunk_size is not None:
+        # transformers' chunked layer (Llama 4) keeps chunk - 1 entries, as a sliding one its window
+        # - 1; kvtool leaves it so (it is never given a window).
+        return min(tokens, fingerprint.attention_chunk_size - 1)
     return min(tokens, native_window(fingerprint)) if kind == SLIDING_ATTENTION and is_hybrid(fingerprint) else tokens
 
 

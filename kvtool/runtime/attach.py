@@ -27,15 +27,18 @@ from kvtool.profiles import whole_cache
 from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.whole_cache import rebudget
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
-from kvtool.runtime import attention
+from kvtool.runtime import architectures, attention
 from kvtool.runtime.attention import CACHE_KWARG
 from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.draft import generate as draft_generate
 from kvtool.runtime.grouped import GroupedCache
 from kvtool.runtime.held import HeldCache
 from kvtool.runtime.importance import LayerQueries
+from kvtool.runtime.importance.logits import LogitScale, logit_terms
 from kvtool.runtime.layer import LayerPlan
 from kvtool.runtime.layer.kinds import LAYER_KINDS
+from kvtool.runtime.layer.latent import latent_expanders
+from kvtool.runtime.layer.limits import check_plans
 from kvtool.runtime.layer.plan import SCORED_WINDOW_POOL, SCORED_WINDOW_ROWS
 from kvtool.runtime.eviction.window_tova import WindowTova
 from kvtool.runtime.eviction import EVICT_RULES, evict_rule
@@ -118,12 +121,17 @@ def layer_queries(model, profile: Profile) -> dict[int, LayerQueries]:
     if stats is None:
         return {}
     rotations, grams = future_rotations(model), output_grams(model)
+    terms = logit_terms(model)
     out = {}
     for index in stats.layers:
         mean, cov = stats.layer(index)
+        rotation = rotations[index]
+        if index in terms:
+            # A soft-capping or sink layer's expected attention is its own softmax's (importance.expected).
+            rotation = dataclasses.replace(rotation, scaling=LogitScale(rotation.scaling, *terms[index]))
         # On the layer's device (its output projection's): the expected-attention generation rule
         # reads them at every step.
-        queries = LayerQueries(mean, cov, rotations[index], stats.future, grams.get(index), stats.pair_norms(index))
+        queries = LayerQueries(mean, cov, rotation, stats.future, grams.get(index), stats.pair_norms(index))
         out[index] = queries if index not in grams else queries.to(grams[index].device)
     return out
 
@@ -232,7 +240,7 @@ class KvtoolHandle:
         plans = self._plans
         if record_importance:
             plans = [p if p is None else dataclasses.replace(p, record_importance=True) for p in plans]
-        cache = KvtoolCache(self.model.config, plans)
+        cache = KvtoolCache(self.model.config, plans, latent_expanders(self.model))
         if record_importance:
             cache.record_sliding_prompts()
         return cache
@@ -243,7 +251,9 @@ class KvtoolHandle:
         if not self.attached:
             raise KvtoolError("this kvtool handle was detached; attach the profile again")
         _check_fits(profile, self.model)
-        return KvtoolCache(self.model.config, layer_plans(profile, self.min_kept, layer_queries(self.model, profile)))
+        plans = layer_plans(profile, self.min_kept, layer_queries(self.model, profile))
+        check_plans(self.model, profile, plans)
+        return KvtoolCache(self.model.config, plans, latent_expanders(self.model))
 
     def detach(self) -> None:
         if self.attached:
@@ -314,21 +324,21 @@ SUPPORTED_LAYER_TYPES = tuple(LAYER_KINDS)
 
 def check_supported(model) -> None:
     """One-line KvtoolError for attention kvtool's function would compute differently from the model's
-    own: it runs softmax(q k^T * scale + mask) v, so learned sink logits (gpt-oss), logit soft-capping
-    (Gemma 2) and layer types other than full and sliding-window attention (Llama 4's chunked layers)
-    are refused rather than run silently wrong."""
+    own. It runs softmax(l(q k^T) + mask) v, l the layer's logit map: the scale, Gemma 2's logit
+    soft-capping and gpt-oss's learned sink logits (importance/logits.py). Layer types kvtool does not
+    store (`layer.kinds.LAYER_KINDS`: full, sliding-window, chunked and linear-attention layers and
+    layers without attention) are refused rather than run silently wrong: Falcon-H1's and Zamba2's
+    "hybrid" layers, an attention cache and a Mamba state in one, are among them."""
     fingerprint = fingerprint_of(model)
     other = sorted(set(fingerprint.layer_types) - set(SUPPORTED_LAYER_TYPES))
     if other:
         raise KvtoolError(
-            f"{fingerprint.model_type}: kvtool compresses full-attention and sliding-window layers; this model has "
+            f"{fingerprint.model_type}: kvtool stores {', '.join(SUPPORTED_LAYER_TYPES)} layers; this model has "
             f"{', '.join(other)} layers, which it does not support"
         )
-    text = model.config.get_text_config(decoder=True)
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise KvtoolError(f"{fingerprint.model_type}: attention logit soft-capping is not supported by kvtool's attention")
-    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
-        raise KvtoolError(f"{fingerprint.model_type}: learned attention sinks (gpt-oss) are not supported by kvtool's attention")
+    reason = architectures.refusal(model)  # attention kvtool's function never sees, or computes otherwise
+    if reason is not None:
+        raise KvtoolError(reason)
 
 
 def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
@@ -341,6 +351,7 @@ def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
     check_supported(model)
     check_rule_names(profile)
     plans = layer_plans(profile, min_kept, layer_queries(model, profile))
+    check_plans(model, profile, plans)
     name = attention.register()
     previous = _implementations(model)
     config = model.config

@@ -6,6 +6,11 @@ For layers whose cache is a kvtool CompressingLayer it runs the normal sdpa kern
 - for a draft's rows over a held prompt (held.py), sdpa plus the column sums those rows give.
 Every other call (no cache, a plain DynamicCache, sliding-window layers) is exactly sdpa.
 
+Soft-capping (Gemma 2: the `softcap` argument) and learned sink logits (gpt-oss: `s_aux`) change
+the softmax itself, which sdpa cannot compute: the scale becomes a LogitScale that carries them
+(importance/logits.py) into every score and kernel, and where this module would run sdpa it runs
+the families' own eager arithmetic instead (`logits.dense_attention`), so budget 1.0 is still the model.
+
 How the function finds its cache layer. transformers calls an AttentionInterface function with the
 attention module, query/key/value, the mask, and the extra keyword arguments the model's forward
 was called with (its documented way to give an attention function new inputs: "models supporting
@@ -31,6 +36,7 @@ from kvtool.runtime.layer.grouped import GroupedLayer
 from kvtool.runtime.layer.held import HeldLayer
 from kvtool.runtime.importance import ScoreRequest, attention_with_scores, decode_attention_with_scores, prompt_scores
 from kvtool.runtime.importance import chunked
+from kvtool.runtime.importance.logits import dense_attention, is_plain, layer_scale
 from kvtool.runtime.layer import CompressingLayer
 from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
@@ -50,6 +56,11 @@ def kvtool_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     layer = _cache_layer(module, kwargs.pop(CACHE_KWARG, None))
+    scale = layer_scale(module, scaling, query, kwargs)
+    if not is_plain(scale):
+        # Honoured through `scale` from here on; sdpa_attention_forward must not see them.
+        kwargs = {key: item for key, item in kwargs.items() if key not in ("softcap", "s_aux", "sinks")}
+        scaling = scale
     if isinstance(layer, GroupedLayer) and layer.compressing:
         # Each block of rows attends to its own cache's slots (grouped.py).
         outputs = [
@@ -60,9 +71,9 @@ def kvtool_attention_forward(
     if isinstance(layer, HeldLayer):
         return _attend_held(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if isinstance(layer, RecordedWindowLayer):
-        layer.record_rows(query, query.shape[-1] ** -0.5 if scaling is None else scaling)
+        layer.record_rows(query, scale)
     if not isinstance(layer, CompressingLayer):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     return _attend(layer, module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
@@ -89,7 +100,7 @@ def _attend(
             out = (output, None)
         else:
             # Budget 1.0 keeps sdpa's own output bit for bit; scoring (if any) runs beside it.
-            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+            out = _dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
             if layer.scores_last_rows_only:
                 scores = layer.last_rows_scores(query, key, attention_mask, scaling)
             elif layer.needs_importance:
@@ -111,7 +122,7 @@ def _attend(
         layer.add_scores(received)
         out = (output, None)
     else:
-        out = sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+        out = _dense(module, query, key, value, mask, dropout, scaling, kwargs)
     layer.evict_over_budget()
     return out
 
@@ -128,7 +139,7 @@ def _attend_held(layer: HeldLayer, module, query, key, value, attention_mask, dr
         output, scores = attention_with_scores(query, key, value, attention_mask, scaling, request)
         layer.read(scores, key, value)
         return output, None
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    out = _dense(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     _, scores = chunked.chunked_scores(query, key, None, attention_mask, scaling, chunked.chunk_elements(query.device), request)
     layer.read(scores, key, value)
@@ -149,10 +160,24 @@ def _rows(mask: torch.Tensor | None, rows: slice | torch.Tensor) -> torch.Tensor
 
 
 def _plain_softmax_attention(dropout: float, kwargs: dict) -> bool:
-    """True when the layer's attention is softmax(q k^T * scale + mask) v with nothing else
-    (no dropout, logit soft-capping, attention sinks or sliding window) and the fused path applies."""
+    """True when the fused path computes the layer's attention: softmax(l(q k^T) + mask) v with no
+    dropout, sliding window or position bias, l the scale's logit map (a soft-cap and sink logits
+    come in the scale, `kvtool_attention_forward`, and the fused path honours them)."""
     extras = ("softcap", "s_aux", "sinks", "sliding_window", "position_bias")
     return dropout == 0.0 and all(kwargs.get(name) is None for name in extras)
+
+
+def _dense(module, query, key, value, mask, dropout, scaling, kwargs):
+    """The attention output where kvtool scores nothing: sdpa's for plain attention, else the
+    soft-capping and sink families' own eager arithmetic (`logits.dense_attention`), with the causal
+    mask sdpa would have implied when the mask was left out (rows the last of the keys)."""
+    if is_plain(scaling):
+        return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+    if mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True):
+        rows, columns = query.shape[2], key.shape[2]
+        position = torch.arange(columns - rows, columns, device=query.device)
+        mask = (torch.arange(columns, device=query.device)[None, :] <= position[:, None])[None, None]
+    return dense_attention(query, key, value, mask, scaling, dropout), None
 
 
 def register() -> str:

@@ -1,27 +1,36 @@
-"""The cache container: transformers' DynamicCache with full-attention layers swapped for kvtool's."""
+"""The cache container: transformers' DynamicCache with full-attention layers swapped for kvtool's.
+
+Layers kvtool leaves to transformers keep transformers' own class: sliding-window layers that keep
+their own window, Llama 4's chunked layers, and the fixed-size conv and recurrent state of
+linear-attention and Mamba layers (Qwen3-Next, Jamba, Bamba, Granite 4, Nemotron-H), which a
+prompt's tokens update in place rather than append to. A multi-head latent attention layer
+(DeepSeek-V2/V3) becomes a LatentLayer (layer/latent.py), which holds the latents the model caches.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.runtime.layer.held_prompt import HeldPrompt
 from kvtool.runtime.layer.kinds import transformers_layer
+from kvtool.runtime.layer.latent import Expand, LatentLayer
 from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
 
 class KvtoolCache(DynamicCache):
     """One CompressingLayer per planned layer; layers planned as None keep transformers' own class
-    (a hybrid model's sliding-window layers that keep their own window)."""
+    (a hybrid model's sliding-window layers that keep their own window). `expanders`: per layer index,
+    the `expand_kv` of a latent-attention model's module there (`layer.latent.latent_expanders`)."""
 
-    def __init__(self, config, plans: Sequence[LayerPlan | None]):
+    def __init__(self, config, plans: Sequence[LayerPlan | None], expanders: Mapping[int, Expand] | None = None):
         super().__init__(config=config)
         if len(self.layers) != len(plans):
             raise ValueError(f"cache has {len(self.layers)} layers but {len(plans)} layer plans were given")
@@ -31,7 +40,8 @@ class KvtoolCache(DynamicCache):
             expected = transformers_layer(SLIDING_ATTENTION if plan.native_window is not None else FULL_ATTENTION)
             if type(self.layers[i]) is not expected:
                 raise ValueError(f"layer {i} is a {type(self.layers[i]).__name__}, not the {expected.__name__} its plan is for")
-            self.layers[i] = CompressingLayer(plan)
+            expand = (expanders or {}).get(i)
+            self.layers[i] = CompressingLayer(plan) if expand is None else LatentLayer(plan, expand)
         self.image_mask: torch.Tensor | None = None  # [B, n] image-token positions of the prompt
 
     def record_sliding_prompts(self) -> None:
@@ -43,8 +53,9 @@ class KvtoolCache(DynamicCache):
 
     @property
     def awaiting_prompt(self) -> bool:
-        """True until the first forward has filled the cache."""
-        return not any(layer.is_initialized for layer in self.layers)
+        """True until the first forward has filled the cache (read from the layers that hold keys:
+        transformers' layers without attention count as filled from the start)."""
+        return not any(layer.is_initialized for layer in self.layers if isinstance(layer, DynamicLayer))
 
     def set_image_mask(self, image_mask: torch.Tensor | None) -> None:
         """Which prompt positions are image tokens ([B, n] bool, False on padding); before the prompt.

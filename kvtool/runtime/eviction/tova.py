@@ -25,7 +25,7 @@ class Tova(EvictRule):
         if attention is None:
             raise KvtoolError(
                 "the tova eviction rule needs the new token's attention probabilities, which kvtool computes "
-                "only for plain softmax attention (no dropout, soft-capping or attention sinks)"
+                "for inference attention only (no dropout)"
             )
         # The attention covers the slots the token attended to (the layer's first ones, or all of
         # them); the slots after those are free.

@@ -8,6 +8,8 @@ The passes (computed next to the attention output the layer needs anyway):
     block_size     the CPU path's block size, measured once per prompt shape (or fixed)
     chunked        portable path: any device, dtype or mask, in chunks of query rows
     decode         one new token's attention with the probabilities it gave each slot
+    logits         what a layer does to its logits besides scaling them: soft-capping, sink
+                   logits (a LogitScale, which every pass and kernel reads from its `scaling`)
 The scorers (what selection ranks by, from a PromptScores), by name: base (the interface),
 attention_sum, window, union, expected (Expected Attention, from calibrated query statistics),
 expected_output (the same weighted by what each entry writes through the output projection),

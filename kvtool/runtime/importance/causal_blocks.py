@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.runtime.importance.logits import cap_, sink_view, softmax_
 from kvtool.runtime.importance.scores import NO_EXTRAS, accumulation_dtype
 
 
@@ -38,6 +39,7 @@ def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int,
     heads = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.heads else None
     window = torch.zeros(n_kv_heads, m, dtype=query.dtype, device=query.device) if request.window else None
     first_window_row = m - min(request.window, m)
+    sink = sink_view(scaling, (n_kv_heads, groups, 1, 1), query.dtype, query.device)  # logits.py
     future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)
     # Outputs written in place take no part in autograd: a caller that differentiates gets fresh tensors.
     reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, keys, values)))
@@ -47,10 +49,13 @@ def causal_blocks(query, keys, values, scaling, request=NO_EXTRAS, *, rows: int,
         c = r1 - r0
         q_block = q[:, :, r0 - offset : r1 - offset].reshape(n_kv_heads, groups * c, head_dim)
         into = None if buffer is None else buffer[: n_kv_heads * groups * c * r1].view(n_kv_heads, groups * c, r1)
-        scores = torch.bmm(q_block, k_t[:, :, :r1], out=into)
+        scores = cap_(torch.bmm(q_block, k_t[:, :, :r1], out=into), scaling)
         # Only the block's own diagonal square holds future positions.
         scores.view(n_kv_heads, groups, c, r1)[..., r0:r1].masked_fill_(future[:c, :c], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, out=into)
+        if sink is None:
+            probs = torch.softmax(scores, dim=-1, out=into)
+        else:
+            probs = softmax_(scores.view(n_kv_heads, groups, c, r1), sink).view(n_kv_heads, groups * c, r1)
         out[:, :, r0 - offset : r1 - offset] = torch.bmm(probs, values[:, :r1]).view(n_kv_heads, groups, c, -1)
         if heads is None:
             total[:r1] += probs.sum(dim=(0, 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.runtime.importance.logits import cap_, sink_view, softmax_
 from kvtool.runtime.importance.scores import NO_EXTRAS, PromptScores, ScoreRequest, accumulation_dtype
 
 # Elements of one chunk's score tensor on the portable path; 2**24 floats = 64 MiB in float32, and on
@@ -75,6 +76,9 @@ def chunked_scores(
         window = torch.zeros(bsz, n_kv_heads, n_k, dtype=acc, device=device)
         in_window, first_window_row = _window_rows(mask, bsz, n_q, request.window, device)
     rows = chunk_rows(chunk_elements, bsz * n_heads * n_k)
+    # A soft-capping or sink layer's logits (`scaling` a LogitScale, logits.py): capped before the
+    # mask, sinks in every row's denominator.
+    sink = sink_view(scaling, (1, n_kv_heads, groups, 1, 1), acc, device)
     for r0 in range(0, n_q, rows):
         r1 = min(n_q, r0 + rows)
         end = offset + r1  # causal: no row of this chunk sees a key at or past `end`
@@ -83,7 +87,7 @@ def chunked_scores(
             end = n_k
         c = r1 - r0
         rows_q = q[:, :, :, r0:r1].reshape(bsz, n_kv_heads, groups * c, head_dim)
-        scores = torch.matmul(rows_q, k_t[..., :end]).view(bsz, n_kv_heads, groups, c, end)
+        scores = cap_(torch.matmul(rows_q, k_t[..., :end]).view(bsz, n_kv_heads, groups, c, end), scaling)
         if mask is not None:
             allowed = mask[:, :, r0:r1, :end]  # [B, 1, c, end]
             scores.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
@@ -93,7 +97,7 @@ def chunked_scores(
             future = torch.ones(r1 - r0, r1 - r0, dtype=torch.bool, device=device).triu(1)
             scores[..., offset + r0 : end].masked_fill_(future, float("-inf"))
             row_real = None
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax_(scores, sink)
         if row_real is not None:
             # Fully masked (padded) query rows give NaN: they contribute nothing and output zero.
             probs.masked_fill_(~row_real[:, None, None, :, None], 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.runtime.importance.logits import cap_, sink_view, softmax_
 from kvtool.runtime.importance.scores import accumulation_dtype
 from kvtool.runtime.settings import current_settings
 
@@ -30,7 +31,8 @@ def decode_attention_with_scores(
     Returns the output in sdpa_attention_forward's layout [B, 1, Hq, D] and the probabilities:
     [B, S] averaged over all query heads (what H2O accumulates and shared TOVA ranks), or with
     `per_head` [B, Hkv, S] averaged over each KV head's query heads (per-head layers, whose slots
-    hold different entries in each KV head). Used only by rules that need the scores.
+    hold different entries in each KV head). Used only by rules that need the scores. A
+    soft-capping or sink layer's `scaling` is a LogitScale (logits.py): its probabilities are the model's.
 
     Scores and probabilities are float32 (float64 for float64 models). A half-precision model on a
     GPU multiplies its own keys and values with float32 results, as FlashAttention does (the
@@ -46,9 +48,10 @@ def decode_attention_with_scores(
         scores = _bmm(q, keys.transpose(-1, -2), acc).mul_(scaling)
     else:
         scores = torch.matmul(q.to(acc) * scaling, keys.to(acc).transpose(-1, -2))  # [B, Hkv, g, S]
+    cap_(scores, scaling)  # a soft-capping layer's (`scaling` a LogitScale, logits.py)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_(scores, sink_view(scaling, (1, n_kv_heads, group, 1), acc, scores.device))
     if _mixed(values, acc):
         out = _weighted_values(probs, values, acc)
     else:

@@ -10,6 +10,10 @@ over the KV head's query heads, is the attention it expects. Each entry's score 
 value's norm (what the entry can move the output by), the norm taken relative to the row's mean
 norm in that head so a score stays at most n as selection's protected classes need. No extra
 forward: the statistics are data, the keys and values are the prompt's.
+
+A soft-capping layer (Gemma 2) computes E[exp(c·tanh(x/c))] of the same Gaussian logit x instead
+(by quadrature, `logits.expected_capped`), and a sink layer's sink logit (gpt-oss) joins each head's
+softmax as the model's does: `rotation.scaling` is then a LogitScale (attach.layer_queries).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from kvtool.errors import KvtoolError
 from kvtool.models.queries import FutureRotation, rotated
 from kvtool.runtime.importance.base import Scorer
+from kvtool.runtime.importance.logits import expected_capped, sink_view, softmax_
 from kvtool.runtime.importance.scores import PromptScores, ScoreRequest, accumulation_dtype
 
 
@@ -66,7 +71,7 @@ def expected_probs(
     dtype = accumulation_dtype(keys.dtype)
     valid = token_valid.bool()
     start = valid.sum(dim=1) if start is None else start
-    cos, sin = queries.rotation.mean(start, queries.future, dtype)  # [B, D]
+    cos, sin = full_width(*queries.rotation.mean(start, queries.future, dtype), keys.shape[-1])  # [B, D]
     cos, sin = cos[:, None, :], sin[:, None, :]
     mean = rotated(queries.mean.to(keys.device, dtype)[None], cos, sin)  # [B, Hq, D]
     cov = queries.cov.to(keys.device, dtype)[None]  # [1, Hq, D, D]
@@ -75,9 +80,19 @@ def expected_probs(
     cov = turn(turn(cov))  # [B, Hq, D, D]
     key = keys.to(dtype).repeat_interleave(heads // kv_heads, dim=1)  # [B, Hq, n, D]
     s = queries.rotation.scaling
-    logits = s * torch.einsum("bhnd,bhd->bhn", key, mean)
-    logits = logits + (s * s / 2) * torch.einsum("bhnd,bhde,bhne->bhn", key, cov, key)
-    return torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    centre = s * torch.einsum("bhnd,bhd->bhn", key, mean)
+    logits = expected_capped(centre, (s * s) * torch.einsum("bhnd,bhde,bhne->bhn", key, cov, key), s)
+    sink = sink_view(s, (1, heads, 1), dtype, keys.device)
+    return softmax_(logits.masked_fill(~valid[:, None, :], float("-inf")), sink).nan_to_num(0.0)
+
+
+def full_width(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) over all `dim` dimensions: gpt-oss's rotary module gives each pair's angle
+    once (dim / 2 values, turning dimension i with i + dim / 2 alike), which is the same rotation with
+    the values repeated for the second half."""
+    if cos.shape[-1] * 2 == dim:
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return cos, sin
 
 
 def _relative(norm: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.models.queries import rotated
-from kvtool.runtime.importance.expected import ExpectedAttention, LayerQueries, check_fit
+from kvtool.runtime.importance.expected import ExpectedAttention, LayerQueries, check_fit, full_width
+from kvtool.runtime.importance.logits import cap_, sink_view, softmax_
 from kvtool.runtime.importance.scores import accumulation_dtype
 
 # The future offsets after the newest token: 2^0 ... 2^16 (TriAttention's 1 ... 65536, geometric).
@@ -49,7 +50,7 @@ def triattention_probs(
     start = valid.sum(dim=1) if start is None else start
     # The newest token sits at start - 1; the future queries at start - 1 + 2^j.
     offsets = torch.pow(2, torch.arange(OFFSET_POWERS, device=keys.device)) - 1
-    cos, sin = queries.rotation.mean_at(start, offsets, dtype)  # [B, D]
+    cos, sin = full_width(*queries.rotation.mean_at(start, offsets, dtype), dim)  # [B, D]
     mean = queries.mean.to(keys.device, dtype)
     centre = rotated(mean[None], cos[:, None, :], sin[:, None, :])  # [B, Hq, D]
     half = dim // 2
@@ -60,8 +61,12 @@ def triattention_probs(
     group = heads // kv_heads
     series = torch.einsum("bgnd,bghd->bghn", key, centre.view(bsz, kv_heads, group, dim))
     norm_term = torch.einsum("bgnf,ghf->bghn", key_norm, spread.view(kv_heads, group, half))
-    logits = queries.rotation.scaling * (series + norm_term)  # [B, Hkv, group, n]
-    probs = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    scaling = queries.rotation.scaling
+    # The estimate is of the coming logit, so a soft-capping layer's is capped as its logits are,
+    # and a sink layer's sink joins the softmax (logits.py).
+    logits = cap_(scaling * (series + norm_term), scaling)  # [B, Hkv, group, n]
+    sink = sink_view(scaling, (1, kv_heads, group, 1), dtype, keys.device)
+    probs = softmax_(logits.masked_fill(~valid[:, None, None, :], float("-inf")), sink).nan_to_num(0.0)
     return probs.mean(dim=2)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtool.errors import KvtoolError
+from kvtool.runtime.importance.logits import cap_, sink_view, softmax_
 from kvtool.runtime.importance.base import Scorer
 from kvtool.runtime.importance.scores import PromptScores, ScoreRequest
 
@@ -82,13 +83,14 @@ def window_sums(
     dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
     query = rows[:, :, -window:].to(dtype)
     key = keys.to(dtype).repeat_interleave(heads // kv_heads, dim=1)
-    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [B, Hq, w, n]
+    logits = cap_(torch.matmul(query, key.transpose(-1, -2)) * scaling, scaling)  # [B, Hq, w, n]
     position = torch.arange(n, device=keys.device)
     row_position = torch.arange(n - window, n, device=keys.device)
     seen = position[None, :] <= row_position[:, None]
     if span is not None:
         seen &= position[None, :] > row_position[:, None] - span
     allowed = seen[None, None] & token_valid.bool()[:, None, None, :]
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    sink = sink_view(scaling, (1, heads, 1, 1), dtype, keys.device)  # a sink layer's (logits.py)
+    probs = softmax_(logits.masked_fill(~allowed, float("-inf")), sink).nan_to_num(0.0)
     summed = probs.sum(dim=2)  # [B, Hq, n]
     return summed.view(batch, kv_heads, heads // kv_heads, n).mean(dim=2)

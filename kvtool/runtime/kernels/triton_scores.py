@@ -22,6 +22,13 @@ score 0. GQA: query head h reads KV head h // g (transformers' repeat_kv order) 
 repeated in memory. Accumulation is float32 whatever the input dtype; float32 inputs use IEEE float32
 products (no TF32), so the scores match the eager path to float32 rounding.
 
+Soft-capping and sink layers (`scaling` a LogitScale, kvtool.runtime.importance.logits): both
+kernels cap each score before its mask, cap·tanh(score / cap) (tanh spelled through exp2: the
+base-2 scores' cap is cap·log2(e)), and a sink layer's forward starts each row's running max and
+sum at its head's sink logit with no value, so the log-sum-exp, the output and the column sums
+all count the sink; the fused forward (`FORWARD = "sdpa"`) computes neither and is left for plain
+layers.
+
 Without a GPU, Triton's interpreter runs the kernels on CPU tensors (how the tests check them): set
 TRITON_INTERPRET=1 while calling. That works even where `triton` was imported without it (torch's
 dynamo imports it, and transformers imports dynamo): the kernels are wrapped for the interpreter or
@@ -157,7 +164,8 @@ def attention_with_scores_triton(
 
     query: [B, Hq, n, D] (after rotary); keys, values: [B, Hkv, n, D] with Hq = g * Hkv; any strides.
     starts: [B] integer, the first real column of each row (None: no padding). `scaling` multiplies
-    q.k before the softmax. Returns the output [B, n, Hq, D] (sdpa_attention_forward's layout, the
+    q.k before the softmax; a LogitScale (kvtool.runtime.importance.logits) also soft-caps or adds its
+    sink logits. Returns the output [B, n, Hq, D] (sdpa_attention_forward's layout, the
     query's dtype, padded rows zero) and the scores (`TritonScores`; float32, padded columns 0).
     `forward` (default `FORWARD`) picks the kernel of the output and the log-sum-exp.
     """
@@ -183,22 +191,24 @@ def attention_with_scores_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     qk_scale = float(scaling) * LOG2E
+    softcap, cap_k, sinks = logit_terms(scaling, n_heads, device)
     fwd, col_sums = _kernels()
     forward = FORWARD if forward is None else forward
     if forward not in FORWARDS:
         raise ValueError(f"unknown forward {forward!r} (known: {', '.join(FORWARDS)})")
 
-    if forward == "sdpa" and fused_forward.applies(query, starts):
+    if forward == "sdpa" and fused_forward.applies(query, starts) and softcap == 0.0 and sinks is None:
         out, lse = fused_forward.forward_with_lse(query, keys, values, scaling)
     else:
         out = torch.empty(bsz, n, n_heads, head_dim, dtype=query.dtype, device=device)
         lse = torch.empty(bsz, n_heads, n, dtype=torch.float32, device=device)
         launch = {} if interpreting() else {"num_warps": blocks.fwd_warps, "num_stages": blocks.stages}
         fwd[(triton.cdiv(n, blocks.fwd_m), bsz * n_heads)](
-            query, keys, values, out, lse, starts,
+            query, keys, values, out, lse, starts, lse if sinks is None else sinks,
             *query.stride(), *keys.stride(), *values.stride(), *out.stride(),
-            n, n_heads, groups, qk_scale,
+            n, n_heads, groups, qk_scale, softcap, cap_k,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.fwd_m, BLOCK_N=blocks.fwd_n, PRECISION=precision,
+            HAS_SOFTCAP=softcap != 0.0, HAS_SINKS=sinks is not None,
             **launch,
         )
 
@@ -208,9 +218,9 @@ def attention_with_scores_triton(
     col_sums[(triton.cdiv(n, blocks.sum_n), bsz * n_kv_heads)](
         query, keys, lse, starts, sums, window_sums,
         *query.stride(), *keys.stride(),
-        n, n_kv_heads, groups, qk_scale, n - window,
+        n, n_kv_heads, groups, qk_scale, n - window, softcap, cap_k,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.sum_m, BLOCK_N=blocks.sum_n,
-        HAS_WINDOW=window > 0, PRECISION=precision,
+        HAS_WINDOW=window > 0, PRECISION=precision, HAS_SOFTCAP=softcap != 0.0,
         **launch,
     )
     importance = sums.sum(dim=1) / n_heads
@@ -219,6 +229,20 @@ def attention_with_scores_triton(
         heads=sums / groups if heads else None,
         window=window_sums / groups if window > 0 else None,
     )
+
+
+def logit_terms(scaling, n_heads: int, device) -> tuple[float, float, torch.Tensor | None]:
+    """What the kernels take of a LogitScale: the cap of the base-2 scores (0.0: none), the factor
+    k with e^(-2|x|) = 2^(k |s|) for x = s / that cap, and the sinks in base 2 ([Hq] float32, or None)."""
+    cap = getattr(scaling, "softcap", None)
+    sinks = getattr(scaling, "sinks", None)
+    cap2 = 0.0 if cap is None else float(cap) * LOG2E
+    cap_k = 0.0 if cap is None else -2.0 * LOG2E / cap2
+    if sinks is not None:
+        if sinks.numel() != n_heads:
+            raise ValueError(f"{sinks.numel()} sink logits do not fit {n_heads} query heads")
+        sinks = (sinks.detach().to(device=device, dtype=torch.float32).reshape(n_heads) * LOG2E).contiguous()
+    return cap2, cap_k, sinks
 
 
 def _kernels() -> tuple:
@@ -246,14 +270,14 @@ def wrapped(*functions) -> tuple:
 if triton is not None:
 
     def _attn_fwd(
-        Q, K, V, Out, Lse, Starts,
+        Q, K, V, Out, Lse, Starts, Sinks,
         sqb, sqh, sqm, sqd,
         skb, skh, skn, skd,
         svb, svh, svn, svd,
         sob, som, soh, sod,
-        n, H, G, qk_scale,
+        n, H, G, qk_scale, cap2, cap_k,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         # The last query blocks see the most keys: launch them first.
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -275,6 +299,10 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        if HAS_SINKS:
+            # The sink is the row's first column, of weight 2^0 at its own max, with no value.
+            m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(Sinks + h)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         offs = tl.arange(0, BLOCK_N)
         lo = (start // BLOCK_N) * BLOCK_N
@@ -287,6 +315,9 @@ if triton is not None:
             k = tl.load(k_ptr + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if HAS_SOFTCAP:  # cap·tanh(s / cap), before the mask
+                e = tl.exp2(tl.abs(s) * cap_k)
+                s = tl.where(s < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
             s = tl.where(col_real[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -305,6 +336,9 @@ if triton is not None:
             k = tl.load(k_ptr + cols[:, None] * skn + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + cols[:, None] * svn + dims[None, :] * svd, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if HAS_SOFTCAP:
+                e = tl.exp2(tl.abs(s) * cap_k)
+                s = tl.where(s < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
             visible = col_real[None, :] & (cols[None, :] <= rows[:, None])
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
@@ -329,9 +363,9 @@ if triton is not None:
         Q, K, Lse, Starts, Sums, WindowSums,
         sqb, sqh, sqm, sqd,
         skb, skh, skn, skd,
-        n, HKV, G, qk_scale, window_first,
+        n, HKV, G, qk_scale, window_first, cap2, cap_k,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ):
         # Column block 0 is summed over every row: the heaviest programs come first.
         pid_n = tl.program_id(0)
@@ -369,6 +403,9 @@ if triton is not None:
                 q = tl.load(q_ptr + rows[:, None] * sqm + dims[None, :] * sqd, mask=in_bounds[:, None] & dim_ok[None, :], other=0.0)
                 lse = tl.load(lse_ptr + rows, mask=in_bounds, other=float("inf"))
                 s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+                if HAS_SOFTCAP:
+                    e = tl.exp2(tl.abs(s) * cap_k)
+                    s = tl.where(s < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
                 p = tl.exp2(s - lse[:, None])
                 visible = col_real[None, :] & (cols[None, :] <= rows[:, None]) & in_bounds[:, None]
                 p = tl.where(visible, p, 0.0)
@@ -383,6 +420,9 @@ if triton is not None:
                 q = tl.load(q_ptr + rows[:, None] * sqm + dims[None, :] * sqd, mask=in_bounds[:, None] & dim_ok[None, :], other=0.0)
                 lse = tl.load(lse_ptr + rows, mask=in_bounds, other=float("inf"))
                 s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+                if HAS_SOFTCAP:
+                    e = tl.exp2(tl.abs(s) * cap_k)
+                    s = tl.where(s < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
                 p = tl.exp2(s - lse[:, None])
                 acc += p
                 if HAS_WINDOW:
@@ -408,13 +448,15 @@ def compile_report(
     block_d = max(16, triton.next_power_of_2(head_dim))
     kernels = {
         "forward": (
-            _attn_fwd, [f"*{ty}"] * 4 + ["*fp32", "*i32"] + ["i64"] * 16 + ["i32", "i32", "i32", "fp32"],
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.fwd_m, BLOCK_N=blocks.fwd_n, PRECISION=precision),
+            _attn_fwd, [f"*{ty}"] * 4 + ["*fp32", "*i32", "*fp32"] + ["i64"] * 16 + ["i32", "i32", "i32", "fp32", "fp32", "fp32"],
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.fwd_m, BLOCK_N=blocks.fwd_n, PRECISION=precision,
+                 HAS_SOFTCAP=False, HAS_SINKS=False),
             blocks.fwd_warps,
         ),
         "column_sums": (
-            _col_sums, [f"*{ty}"] * 2 + ["*fp32", "*i32", "*fp32", "*fp32"] + ["i64"] * 8 + ["i32", "i32", "i32", "fp32", "i32"],
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.sum_m, BLOCK_N=blocks.sum_n, HAS_WINDOW=window, PRECISION=precision),
+            _col_sums, [f"*{ty}"] * 2 + ["*fp32", "*i32", "*fp32", "*fp32"] + ["i64"] * 8 + ["i32", "i32", "i32", "fp32", "i32", "fp32", "fp32"],
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=blocks.sum_m, BLOCK_N=blocks.sum_n, HAS_WINDOW=window, PRECISION=precision,
+                 HAS_SOFTCAP=False),
             blocks.sum_warps,
         ),
     }
@@ -463,7 +505,9 @@ def reference_scores(
     heads: bool = False,
     window: int = 0,
 ) -> tuple[torch.Tensor, TritonScores]:
-    """The same quantities by brute force in float64 (the full n x n map): for tests and checks on a GPU."""
+    """The same quantities by brute force in float64 (the full n x n map): for tests and checks on a GPU.
+    A LogitScale `scaling` soft-caps the scores and appends its sink logits as a last column of each
+    row's softmax, dropped after it (the models' own formulation)."""
     bsz, n_heads, n, head_dim = query.shape
     n_kv_heads = keys.shape[1]
     groups = n_heads // n_kv_heads
@@ -476,9 +520,18 @@ def reference_scores(
     idx = torch.arange(n, device=device)
     real = idx[None, :] >= starts[:, None]  # [B, n]
     allowed = real[:, None, :, None] & real[:, None, None, :] & (idx[None, :] <= idx[:, None])[None, None]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = torch.matmul(q, k.transpose(-1, -2)) * float(scaling)
+    cap = getattr(scaling, "softcap", None)
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows: all -inf -> NaN -> 0
+    sinks = getattr(scaling, "sinks", None)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows: all -inf -> NaN -> 0
+    else:
+        column = sinks.double().to(device).reshape(1, n_heads, 1, 1).expand(bsz, n_heads, n, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        probs = probs.masked_fill(~real[:, None, :, None], 0.0)  # padded rows see nothing
     out = torch.matmul(probs, v.masked_fill(~real[:, None, :, None], 0.0)).transpose(1, 2).contiguous()
     per_head = probs.sum(dim=2).view(bsz, n_kv_heads, groups, n)  # [B, Hkv, g, n]
     importance = per_head.sum(dim=(1, 2)) / n_heads
@@ -509,6 +562,7 @@ __all__ = [
     "available",
     "compile_report",
     "interpreting",
+    "logit_terms",
     "prefill_flops",
     "reference_scores",
     "resource_usage",

@@ -31,6 +31,11 @@ and faster on an H100) switches it, `RuntimeSettings.split_victim_search` how `_
 walk; without a GPU, Triton's interpreter runs it on CPU tensors (TRITON_INTERPRET=1), as for
 `triton_scores`.
 
+A soft-capping or sink layer (`scaling` a LogitScale, kvtool.runtime.importance.logits) caps every
+score before its mask in `_partials` and `_finish`, and `_finish` counts its head's sink logit in
+the combined max and sum (a column with no value), so the output and the probabilities `_gains`
+adds are the model's (`triton_scores.logit_terms`).
+
 Over 400 lines because the four kernels and the launcher that passes each one its strides, splits and
 block sizes must be read together.
 """
@@ -141,6 +146,7 @@ def decode_step(
     block, finish_block = _blocks()
     precision = "ieee" if keys.dtype == torch.float32 else "tf32"
     qk_scale = float(scaling) * triton_scores.LOG2E
+    cap2, cap_k, sinks = triton_scores.logit_terms(scaling, n_heads, query.device)
     order, score, frozen = state["order"], state["score"], state["frozen"]
     valid = state["valid"].view(torch.uint8)
     frozen = frozen.view(torch.uint8) if frozen is not None else valid  # a dummy pointer when absent
@@ -152,15 +158,17 @@ def decode_step(
     partials[(rows, splits)](
         query, keys, values, kept, scratch.scores, scratch.maxes, scratch.sums, scratch.outs,
         *query.stride()[:2], query.stride(3), *keys.stride(), *values.stride(),
-        n_kv_heads, slots, qk_scale, scratch.split, splits,
+        n_kv_heads, slots, qk_scale, scratch.split, splits, cap2, cap_k,
         G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block, PRECISION=precision,
+        HAS_SOFTCAP=cap2 != 0.0,
     )
     finish[(rows,)](
         query, key, value, out, scratch.maxes, scratch.sums, scratch.outs, scratch.final, scratch.own, seen, scratch.seen,
+        scratch.own if sinks is None else sinks,  # a dummy pointer when unused
         *query.stride()[:2], query.stride(3), *key.stride()[:2], key.stride(3), *value.stride()[:2], value.stride(3),
         out.stride(0), out.stride(2), out.stride(3),
-        n_kv_heads, qk_scale, splits,
-        G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        n_kv_heads, qk_scale, splits, cap2, cap_k,
+        G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_SOFTCAP=cap2 != 0.0, HAS_SINKS=sinks is not None,
     )
     gain_splits, gain_split = (splits, scratch.split) if current_settings().split_victim_search else (1, slots)
     gains[(rows, gain_splits)](
@@ -191,10 +199,10 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, gro
                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_S=BLOCK_S)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     kernels = {
-        "partials": (_partials, [f"*{ty}"] * 3 + ["*i64"] + ["*fp32"] * 4 + ["i64"] * 11 + ["i32", "i32", "fp32", "i32", "i32"],
-                     dict(shape, PRECISION=precision)),
-        "finish": (_finish, [f"*{ty}"] * 4 + ["*fp32"] * 5 + ["*i64"] * 2 + ["i64"] * 12 + ["i32", "fp32", "i32"],
-                   {k: v for k, v in shape.items() if k != "BLOCK_S"}),
+        "partials": (_partials, [f"*{ty}"] * 3 + ["*i64"] + ["*fp32"] * 4 + ["i64"] * 11 + ["i32", "i32", "fp32", "i32", "i32", "fp32", "fp32"],
+                     dict(shape, PRECISION=precision, HAS_SOFTCAP=False)),
+        "finish": (_finish, [f"*{ty}"] * 4 + ["*fp32"] * 5 + ["*i64"] * 2 + ["*fp32"] + ["i64"] * 12 + ["i32", "fp32", "i32", "fp32", "fp32"],
+                   {**{k: v for k, v in shape.items() if k != "BLOCK_S"}, "HAS_SOFTCAP": False, "HAS_SINKS": False}),
         "gains": (_gains, ["*fp32", "*fp32", "*i64", "*fp32"] + ["*i64"] * 4 + ["*fp32", "*i64"] + ["i64"] * 8 + ["i32"] * 4,
                   dict(G=shape["G"], BLOCK_G=shape["BLOCK_G"], BLOCK_S=FINISH_BLOCK_S)),
         "place": (_place, [f"*{ty}"] * 4 + ["*i64", "*fp32", "*u8", "*u8"] + ["*i64"] * 5 + ["*fp32", "*fp32", "*i64"]
@@ -227,9 +235,9 @@ if triton is not None:
         sqb, sqh, sqd,
         skb, skh, sks, skd,
         svb, svh, svs, svd,
-        HKV, S, qk_scale, SPLIT, SPLITS,
+        HKV, S, qk_scale, SPLIT, SPLITS, cap2, cap_k,
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -258,6 +266,9 @@ if triton is not None:
             k = tl.load(k_ptr + cols[:, None].to(tl.int64) * sks + dims[None, :] * skd, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + cols[:, None].to(tl.int64) * svs + dims[None, :] * svd, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if HAS_SOFTCAP:  # cap·tanh(s / cap) through exp2, before the mask (triton_scores)
+                e = tl.exp2(tl.abs(s) * cap_k)
+                s = tl.where(s < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
             s = tl.where(c_ok[None, :], s, float("-inf"))
             tl.store(s_ptr + groups[:, None] * S + cols[None, :], s, mask=g_ok[:, None] & c_ok[None, :])
             m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
@@ -273,13 +284,14 @@ if triton is not None:
         tl.store(Outs + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
     def _finish(
-        Q, Knew, Vnew, Out, Maxes, Sums, Outs, Final, Own, Seen, SeenNow,
+        Q, Knew, Vnew, Out, Maxes, Sums, Outs, Final, Own, Seen, SeenNow, Sinks,
         sqb, sqh, sqd,
         snkb, snkh, snkd,
         snvb, snvh, snvd,
         sob, soh, sod,
-        HKV, qk_scale, SPLITS,
+        HKV, qk_scale, SPLITS, cap2, cap_k,
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         row = tl.program_id(0)
         b = row // HKV
@@ -293,13 +305,21 @@ if triton is not None:
         k_new = tl.load(Knew + b.to(tl.int64) * snkb + h.to(tl.int64) * snkh + dims * snkd, mask=d_ok, other=0.0)
         v_new = tl.load(Vnew + b.to(tl.int64) * snvb + h.to(tl.int64) * snvh + dims * snvd, mask=d_ok, other=0.0)
         s_new = tl.reduce(q * k_new.to(tl.float32)[None, :], 1, tl.standard._sum_combine) * qk_scale
+        if HAS_SOFTCAP:
+            e = tl.exp2(tl.abs(s_new) * cap_k)
+            s_new = tl.where(s_new < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
 
-        # Combine the splits' partials with the new token's own column.
+        # Combine the splits' partials with the new token's own column (and the head's sink).
         m = s_new
+        if HAS_SINKS:
+            sink = tl.load(Sinks + h * G + groups, mask=g_ok, other=float("-inf"))
+            m = tl.maximum(m, sink)
         for part in range(0, SPLITS):
             m = tl.maximum(m, tl.load(Maxes + (row * SPLITS + part) * G + groups, mask=g_ok, other=float("-inf")))
         p_new = tl.exp2(s_new - m)
         l_i = p_new
+        if HAS_SINKS:
+            l_i = l_i + tl.exp2(sink - m)
         acc = p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
         for part in range(0, SPLITS):
             at = (row * SPLITS + part) * G + groups

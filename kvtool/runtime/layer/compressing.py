@@ -62,6 +62,7 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
     def _clear(self) -> None:
         self.seen = 0  # logical columns, padding included: what the shared mask machinery indexes
         self.head_dim = 0  # D of the keys and values as the model computes them (stored rows may differ)
+        self.value_dim = 0  # D of the values: MLA caches keys and values of different widths (latent.py)
         self.valid: torch.Tensor | None = None  # [B, S] slot holds a real entry
         self.order: torch.Tensor | None = None  # [B, S] logical column of the slot's entry
         self.frozen: torch.Tensor | None = None  # [B, S] slot is in the frozen prefix
@@ -144,6 +145,7 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
         super().lazy_initialization(key_states, value_states)
         # What the stored rows decode back to (slots hold the format's bytes, not the model's floats).
         self.dtype, self.head_dim = key_states.dtype, key_states.shape[-1]
+        self.value_dim = value_states.shape[-1]
         try:
             self.storage.check(self.head_dim)
         except ValueError as exc:
@@ -194,10 +196,11 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
 
     def full_bytes(self) -> int:
         """What transformers' own layer would hold for the same tokens (a sliding window's at most
-        window - 1 of them)."""
+        window - 1 of them): keys and values at their own widths (MLA's differ)."""
         if not self.is_initialized:
             return 0
         bsz, heads = self.keys.shape[:2]
         native = self.plan.native_window
         columns = self.seen if native is None else min(self.seen, native)
-        return 2 * bsz * heads * columns * self.head_dim * self.dtype.itemsize
+        value_dim = self.value_dim or self.head_dim  # a stacked layer (stacking.py) is given head_dim alone
+        return bsz * heads * columns * (self.head_dim + value_dim) * self.dtype.itemsize

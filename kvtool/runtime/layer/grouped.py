@@ -20,6 +20,13 @@ bookkeeping (a few dozen small tensor operations per layer) was most of a search
 The layers transformers keeps (a hybrid model's sliding windows) are stacked into one layer of all
 the rows the same way. The merged layer takes the blocks' state over: their own caches are not
 updated any more.
+
+A linear-attention or Mamba layer (Qwen3-Next, Jamba, Bamba, Granite 4, Nemotron-H) holds a
+fixed-size conv and recurrent state per row, which transformers' layer reads and writes itself
+through the cache (`update_conv_state`, `has_previous_state`). Grouping such a layer gives one
+transformers layer over all the blocks' rows, its states stacked by rows in block order (with or
+without `merge`): each row's state evolves from its own inputs alone, so each block's rows are
+exactly what its own cache would hold.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from kvtool.errors import KvtoolError
 from kvtool.runtime.layer import CompressingLayer, LayerPlan
@@ -89,12 +96,37 @@ def _stacked_plain(parts: Sequence[DynamicLayer]) -> DynamicLayer | None:
     return stacked
 
 
+def _stacked_linear(parts: Sequence[LinearAttentionCacheLayerMixin]) -> LinearAttentionCacheLayerMixin:
+    """transformers' linear-attention layers of one class as one layer of all their rows: every
+    conv and recurrent state concatenated by rows, in order (the parts keep their own tensors)."""
+    kind = type(parts[0])
+    if isinstance(parts[0], CacheLayerMixin) or any(type(p) is not kind for p in parts):
+        raise KvtoolError(f"grouped caches cannot stack {kind.__name__} layers (linear-attention layers that also hold keys)")
+    stacked = copy.copy(parts[0])
+    for name in ("conv_states", "recurrent_states"):
+        held = {i: [getattr(p, name)[i] for p in parts] for i in getattr(parts[0], name)}
+        if any((t[0] is None) != (x is None) for t in held.values() for x in t):
+            raise KvtoolError("grouped caches must hold the same prompts: a linear-attention state is set in some blocks only")
+        setattr(stacked, name, {i: None if t[0] is None else torch.cat(t) for i, t in held.items()})
+    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"):
+        setattr(stacked, name, dict(getattr(parts[0], name)))
+    return stacked
+
+
 class GroupedLayer(DynamicLayer):
     """One layer index of several caches; part i serves rows [i * rows, (i + 1) * rows). With
-    `merge`, parts that decode alike are served by one merged layer (`units`)."""
+    `merge`, parts that decode alike are served by one merged layer (`units`). Parts that are
+    transformers' linear-attention layers give one such layer of all their rows instead
+    (`_stacked_linear`): transformers' cache reaches those through their own class."""
 
     is_croppable = False
     is_compileable = False
+
+    def __new__(cls, parts: Sequence[DynamicLayer] = (), rows: int = 0, merge: bool = False):
+        # (Defaults: copy and pickle call __new__ without arguments.)
+        if parts and isinstance(parts[0], LinearAttentionCacheLayerMixin):
+            return _stacked_linear(parts)  # not a GroupedLayer: Python then skips __init__
+        return super().__new__(cls)
 
     def __init__(self, parts: Sequence[DynamicLayer], rows: int, merge: bool = False):
         super().__init__()

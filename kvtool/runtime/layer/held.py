@@ -9,6 +9,10 @@ other, exactly as they would have at the end of the prompt's own forward. The at
 them the layer is compressed again into a fresh cache's layer (`fill`) while its whole prompt is at
 hand: held in host memory (on a GPU), a layer's prompt comes back once per round.
 Nothing the prompt forward computed is computed again: that is the draft's whole cost saving.
+
+A latent-attention layer (layer/latent.py) holds latents, which its attention module expands into
+per-head keys and values after `update` and before the attention function: the function sees the
+expansion, so the fill layer is compressed from the latents `update` handed out instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from kvtool.runtime.importance import PromptScores, with_rows
 from kvtool.runtime.layer import CompressingLayer
 from kvtool.runtime.layer.held_prompt import HeldPrompt
+from kvtool.runtime.layer.latent import LatentLayer
 
 
 class HeldLayer(DynamicLayer):
@@ -32,6 +37,7 @@ class HeldLayer(DynamicLayer):
         self.held, self.fill = held, fill
         self.following: HeldLayer | None = None  # the next layer, whose prompt comes back while this one computes
         self._fetched = None
+        self._latents = None  # what `update` handed a latent-attention module (the prompt's latents first)
         self.lazy_initialization(held.keys, held.values)
         self.device = held.device  # the layer's: on a GPU the keys may be in host memory
         self.keys, self.values = held.keys, held.values  # their lengths are what transformers reads
@@ -47,12 +53,17 @@ class HeldLayer(DynamicLayer):
         fetched, self._fetched = self._fetched, None
         if self.following is not None:
             self.following.fetch()  # queued behind this layer's copy back, run while this layer computes
-        return self.held.followed_by(key_states, value_states, fetched)
+        out = self.held.followed_by(key_states, value_states, fetched)
+        if isinstance(self.fill, LatentLayer):
+            self._latents = out
+        return out
 
     def read(self, scores: PromptScores, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The attention function's column sums of the rows over `keys` / `values` (the held prompt
         and the rows, on the device, as `update` gave them): they compress the `fill` layer."""
         if self.fill is not None:
             n = self.held.length
+            if self._latents is not None:  # attention read their expansion; the layer stores the latents
+                (keys, values), self._latents = self._latents, None
             here = replace(self.held, keys=keys[:, :, :n], values=values[:, :, :n], copied=None)
             self.fill.compress_held(here, with_rows(self.held.scores, scores))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -34,6 +34,12 @@ LAYER_KINDS: dict[str, LayerKind] = {
         LayerKind(FULL_ATTENTION, DynamicLayer, "its share of the entries, by the profile's rules (CompressingLayer)"),
         LayerKind(SLIDING_ATTENTION, DynamicSlidingWindowLayer,
                   "its own window, a shorter one, or the scored entries of its window (CompressingLayer)"),
+        LayerKind("chunked_attention", DynamicSlidingWindowLayer,
+                  "transformers' own layer: its chunk's entries, at most chunk - 1 (Llama 4)"),
+        LayerKind("linear_attention", LinearAttentionLayer,
+                  "transformers' own fixed-size conv and recurrent state, outside the budget (Qwen3-Next, Mamba hybrids)"),
+        LayerKind("moe", DummyLayer, "nothing: a layer without attention (Nemotron-H)"),
+        LayerKind("mlp", DummyLayer, "nothing: a layer without attention (Nemotron-H)"),
     )
 }
 

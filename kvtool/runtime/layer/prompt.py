@@ -248,7 +248,8 @@ class PromptCompression:
             return scores
         if self.prompt_rows is None:
             raise KvtoolError("internal: observation windows other than the recorded one need the recorded rows")
-        keys = self.keys[:, :, : self.prompt_valid.shape[1]]  # the prompt's columns (the buffer may hold more)
+        n = self.prompt_valid.shape[1]  # the prompt's columns (the buffer may hold more)
+        keys = self._read(self.keys[:, :, :n], self.values[:, :, :n])[0]  # as attention reads them (slots.py)
         return replace(scores, window=window_sums(self.prompt_rows, keys, self.prompt_valid, self.prompt_scaling, window))
 
     def _rank_by(self, scores: PromptScores | None, token_valid: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,215 @@
+"""The one inference thread: requests join the running batch, decode in it, and leave when done.
+
+The HTTP side admits a request (`Scheduler.submit`: its KV bytes reserved, `serve.admission`) and
+waits on its events; everything that touches the model runs here, one thing at a time:
+
+1. requests whose client went away are dropped: their caches and reservations go before the next
+   step, so a disconnect frees its rows within a step;
+2. the oldest waiting request runs its prompt phase (`runtime.draft.prepare`: prefill, the draft if
+   the profile has one, compression) into its own cache and picks its first token;
+3. one decode step feeds every running request its latest token (`serve.batch.decode_step`), each
+   row through its own cache; finished requests report their usage and leave.
+
+One prompt phase per step keeps the running requests' tokens coming while others join. Each
+request's tokens depend on its own cache and logits only, so at temperature 0 its reply is what
+`kvtool generate` gives it alone, whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvtool.errors import KvtoolError
+from kvtool.runtime.draft import prepare
+from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.runtime.steps import Prompt
+from kvtool.serve.admission import Ledger
+from kvtool.serve.batch import decode_step
+from kvtool.serve.sampling import Picker, StopText
+from kvtool.serve.served import ServedModel
+
+log = logging.getLogger("kvtool.serve")
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Job:
+    """One request as the scheduler runs it. `emit(kind, payload)` hands events to the HTTP side
+    (from this thread): ("text", str) pieces, then ("done", usage dict) or ("error", message)."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    emit: Callable[[str, Any], None] = lambda kind, payload: None
+    key: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False  # set by the HTTP side when its client goes away
+    # Filled while it runs:
+    generated: list[int] = field(default_factory=list)
+    cache: Any = None
+    picker: Picker | None = None
+    text: StopText | None = None
+    finish: str | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Scheduler:
+    """Owns the model's thread. `submit` admits or refuses; `stop` lets the running requests finish."""
+
+    def __init__(self, served: ServedModel, ledger: Ledger):
+        self.served = served
+        self.ledger = ledger
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+        self.held_bytes = 0  # KV bytes the running caches hold, after the latest step
+        self.peak_rows = 0
+        self._thread = threading.Thread(target=self._run, name="kvtool-scheduler", daemon=True)
+        self._thread.start()
+
+    # ----- HTTP side ---------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> bool:
+        """Queue `job` if its KV bytes and a row fit now (False: refused, nothing held)."""
+        need = self.served.projected_bytes(len(job.ids), job.max_tokens)
+        with self._wake:
+            if self._stopping or not self.ledger.admit(job.key, need):
+                self.counts["refused"] += 1
+                return False
+            self._waiting.append(job)
+            self._wake.notify()
+        return True
+
+    def needs(self, job: Job) -> int:
+        return self.served.projected_bytes(len(job.ids), job.max_tokens)
+
+    def status(self) -> dict[str, Any]:
+        with self._wake:
+            return {
+                "running": len(self._running), "waiting": len(self._waiting), "kv_reserved": self.ledger.reserved,
+                "kv_held": self.held_bytes, "kv_memory": self.ledger.capacity, "max_batch": self.ledger.max_rows,
+                "peak_running": self.peak_rows, **self.counts,
+            }
+
+    def stop(self, timeout: float | None = None) -> None:
+        """No new requests; returns once every admitted one has finished (or `timeout` passed)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # ----- the model's thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not self._waiting and not self._running and not self._stopping:
+                        self._wake.wait()
+                    if self._stopping and not self._waiting and not self._running:
+                        return
+                    job = self._waiting.popleft() if self._waiting else None
+                self._drop_cancelled()
+                if job is not None:
+                    self._start(job)
+                if self._running:
+                    self._step()
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._running if j.cancelled]:
+            self._leave(job, "cancelled")
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled:
+            self._leave(job, "cancelled")
+            return
+        served = self.served
+        try:
+            sampling = job.temperature > 0
+            chosen = served.cache_for(len(job.ids), job.max_tokens, sampling)
+            ids = torch.tensor([job.ids], dtype=torch.long, device=served.model.device)
+            ready = prepare(served.model, Prompt.of({"input_ids": ids}), chosen.make, chosen.draft)
+            job.cache = ready.cache
+            job.picker = Picker(job.temperature, job.top_p, job.seed, ready.prefix)
+            job.text = StopText(served.decode, job.stops)
+            self._running.append(job)
+            self.peak_rows = max(self.peak_rows, len(self._running))
+            self._advance(job, ready.first_logits[0])
+        except KvtoolError as exc:
+            self._leave(job, "failed", str(exc))
+        except Exception as exc:  # a request must never take the server down
+            log.exception("prompt phase failed")
+            self._leave(job, "failed", f"internal error in the prompt phase: {type(exc).__name__}: {exc}")
+
+    def _step(self) -> None:
+        running = [j for j in self._running if not j.cancelled]
+        if not running:
+            self._drop_cancelled()
+            return
+        try:
+            logits = decode_step(
+                self.served.model, [j.cache for j in running], [j.generated[-1] for j in running],
+                [len(j.ids) + len(j.generated) - 1 for j in running],
+            )
+        except Exception as exc:
+            log.exception("decode step failed")
+            for job in running:
+                self._leave(job, "failed", f"internal error in a decode step: {type(exc).__name__}: {exc}")
+            return
+        for row, job in enumerate(running):
+            self._advance(job, logits[row])
+        self.held_bytes = sum(kv_bytes(j.cache) for j in self._running)
+
+    def _advance(self, job: Job, logits: torch.Tensor) -> None:
+        """Pick the job's next token from `logits`, hand out its text, and finish it if it is done."""
+        token = job.picker.pick(len(job.generated), logits)
+        job.generated.append(token)
+        piece = job.text.add(job.generated)
+        if piece:
+            job.emit("text", piece)
+        if job.text.stopped or token in self.served.eos:
+            job.finish = "stop"
+        elif len(job.generated) >= job.max_tokens:
+            job.finish = "length"
+        if job.finish is not None:
+            rest = job.text.flush()
+            if rest:
+                job.emit("text", rest)
+            self._leave(job, "completed")
+
+    def _leave(self, job: Job, outcome: str, message: str | None = None) -> None:
+        if job in self._running:
+            self._running.remove(job)
+        if outcome == "completed":
+            job.emit("done", {
+                "finish_reason": job.finish,
+                "prompt_tokens": len(job.ids),
+                "completion_tokens": len(job.generated),
+                "total_tokens": len(job.ids) + len(job.generated),
+                "kv_bytes": kv_bytes(job.cache),
+                "kv_bytes_full": kv_bytes_full(job.cache),
+            })
+        elif outcome == "failed":
+            job.emit("error", message)
+        job.cache = None
+        self.ledger.release(job.key)
+        with self._wake:
+            self.counts[outcome] += 1

@@ -1,0 +1,171 @@
+"""`kvtool serve`'s scheduler: requests that join and leave a running batch get exactly what each
+gets alone, and admission reserves at least what a request's cache holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtool.errors import KvtoolError
+from kvtool.profiles import Draft
+from kvtool.serve import Job, Ledger, Scheduler, ServedModel, parse_size
+from kvtool.serve import scheduler as scheduler_module
+from test_serve_helpers import Run, prompt_ids, tiny_loaded, until_eos
+from tiny_models import profile_with
+
+# (prompt words, max_tokens, decode step at which the request arrives): the first two start
+# together, the others join a batch already decoding; they leave at different steps. The 4-word
+# prompt is too short to compress (kvtool generate runs it through the full cache).
+REQUESTS = [(40, 14, 0), (25, 6, 0), (60, 12, 2), (4, 9, 4), (33, 10, 7)]
+
+
+def _served(budget: float | None, draft: Draft | None = None) -> ServedModel:
+    loaded = tiny_loaded()
+    profile = None if budget is None else profile_with(loaded.model, budget, draft=draft)
+    return ServedModel(loaded, profile, "test")
+
+
+def _run_staggered(served: ServedModel, monkeypatch, requests=REQUESTS, **job) -> tuple[list[Run], list[int]]:
+    """Runs `requests` through one scheduler, each submitted from inside the decode step at which it
+    arrives; returns the runs and the batch size of every decode step."""
+    sizes: list[int] = []
+    step_of_batch = scheduler_module.decode_step
+    scheduler = Scheduler(served, Ledger(None, 16))
+    runs = [Run(Job(ids=prompt_ids(served.tokenizer, words, seed=i), max_tokens=limit, **job))
+            for i, (words, limit, _) in enumerate(requests)]
+
+    def counting(model, caches, tokens, positions):
+        sizes.append(len(caches))
+        for run, (_, _, arrives) in zip(runs, requests):
+            if arrives == len(sizes):
+                assert scheduler.submit(run.job)
+        return step_of_batch(model, caches, tokens, positions)
+
+    monkeypatch.setattr(scheduler_module, "decode_step", counting)
+    try:
+        for run, (_, _, arrives) in zip(runs, requests):
+            if arrives == 0:
+                assert scheduler.submit(run.job)
+        for run in runs:
+            assert run.done.wait(120), "a request did not finish"
+    finally:
+        scheduler.stop(30)
+    return runs, sizes
+
+
+def _alone(served: ServedModel, ids: list[int], limit: int) -> list[int]:
+    """The request alone through `kvtool generate`'s path (`handle.generate`: draft, compression)."""
+    with torch.inference_mode():
+        out = served.handle.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=limit, do_sample=False, pad_token_id=0)
+    return until_eos(out[0, len(ids):].tolist(), served.eos)
+
+
+def _check_batch_shape(sizes: list[int]) -> None:
+    """Rows joined a running batch and left it: the batch grew, shrank, and grew again."""
+    pairs = list(zip(sizes, sizes[1:]))
+    first_drop = next(i for i, (a, b) in enumerate(pairs) if b < a)
+    assert max(sizes) >= 3 and any(b > a for a, b in pairs[first_drop:]), sizes
+
+
+@pytest.mark.parametrize("draft", [None, Draft(tokens=6, rounds=2, verify=True)], ids=["no-draft", "draft"])
+def test_compressed_requests_joining_and_leaving_equal_each_alone(monkeypatch, draft) -> None:
+    served = _served(0.5, draft)
+    try:
+        runs, sizes = _run_staggered(served, monkeypatch, temperature=0.0)
+        _check_batch_shape(sizes)
+        for run in runs:
+            assert run.last[0] == "done", run.last
+            assert run.job.generated == _alone(served, run.job.ids, run.job.max_tokens)
+            usage = run.last[1]
+            assert usage["completion_tokens"] == len(run.job.generated)
+            if len(run.job.ids) > served.short_tokens:  # compressed: fewer bytes than the full cache
+                assert usage["kv_bytes"] < usage["kv_bytes_full"]
+            # Admission reserved at least what the cache came to hold.
+            assert served.projected_bytes(len(run.job.ids), run.job.max_tokens) >= usage["kv_bytes"]
+    finally:
+        served.close()
+
+
+def test_full_cache_batch_equals_the_unmodified_model(monkeypatch) -> None:
+    served = _served(None)
+    plain = tiny_loaded().model  # the same weights, never attached
+    try:
+        runs, sizes = _run_staggered(served, monkeypatch, temperature=0.0)
+        _check_batch_shape(sizes)
+        for run in runs:
+            ids = torch.tensor([run.job.ids])
+            with torch.inference_mode():
+                out = plain.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=run.job.max_tokens,
+                                     do_sample=False, pad_token_id=0)
+            assert run.job.generated == until_eos(out[0, ids.shape[1]:].tolist(), served.eos)
+            assert run.last[1]["kv_bytes_full"] > 0
+    finally:
+        served.close()
+
+
+def test_sampled_requests_draw_from_their_own_seed_whatever_the_batch(monkeypatch) -> None:
+    served = _served(0.5)
+    try:
+        runs, _ = _run_staggered(served, monkeypatch, temperature=0.9, top_p=0.8, seed=7)
+        again = Run(Job(ids=runs[2].job.ids, max_tokens=runs[2].job.max_tokens, temperature=0.9, top_p=0.8, seed=7))
+        scheduler = Scheduler(served, Ledger(None, 4))
+        try:
+            assert scheduler.submit(again.job) and again.done.wait(60)
+        finally:
+            scheduler.stop(30)
+        assert again.job.generated == runs[2].job.generated
+    finally:
+        served.close()
+
+
+def test_stop_sequences_end_the_reply_before_them(monkeypatch) -> None:
+    served = _served(0.5)
+    try:
+        scheduler = Scheduler(served, Ledger(None, 4))
+        ids = prompt_ids(served.tokenizer, 30, seed=3)
+        first = Run(Job(ids=ids, max_tokens=12))
+        assert scheduler.submit(first.job) and first.done.wait(60)
+        words = first.text.split()
+        assert len(words) >= 4, first.text
+        stop = " " + words[2]
+        cut = first.text.find(stop)
+        second = Run(Job(ids=ids, max_tokens=12, stops=["never there", stop]))
+        assert scheduler.submit(second.job) and second.done.wait(60)
+        scheduler.stop(30)
+        assert second.text == first.text[:cut]
+        assert second.last[1]["finish_reason"] == "stop"
+        assert first.last[1]["finish_reason"] in ("length", "stop")
+    finally:
+        served.close()
+
+
+def test_the_ledger_admits_while_bytes_and_rows_fit() -> None:
+    ledger = Ledger(capacity=1000, max_rows=2)
+    assert ledger.admit(1, 600)
+    assert not ledger.admit(2, 500)  # 1100 bytes > 1000
+    assert ledger.admit(3, 400)
+    assert not ledger.admit(4, 0)  # no row left
+    ledger.release(1)
+    assert ledger.reserved == 400 and ledger.rows == 1
+    assert Ledger(capacity=None, max_rows=1).admit(1, 10**15)
+
+
+def test_sizes_read_as_bytes() -> None:
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512 MiB") == 512 * 1024**2
+    assert parse_size("1.5G") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    for bad in ("two gigs", "", "5 parsecs", "0"):
+        with pytest.raises(KvtoolError, match="kv-memory"):
+            parse_size(bad)
+
+
+def test_a_smaller_budget_admits_more_of_the_same_requests() -> None:
+    served = _served(0.2)
+    try:
+        compressed = served.projected_bytes(200, 20)
+        full = served.full_cache.footprint.projected(220)
+        assert compressed * 2 < full
+    finally:
+        served.close()
