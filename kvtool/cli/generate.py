@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -12,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import KV_FORMAT_HELP, check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import KV_FORMAT_HELP, BudgetOption, ModelArgument, ProfileOption, check_choice, choose_cache_profile
 from kvtool.units import human_bytes
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
@@ -93,20 +92,13 @@ def render(
 
 @app.command("generate")
 def generate_command(
-    model: Annotated[
-        str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")
-    ],
+    model: ModelArgument,
     prompts: Annotated[list[str], typer.Argument(help="One or more prompts, generated as one batch.")],
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; above 0 samples at this temperature.")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
-    budget: Annotated[
-        float | None,
-        typer.Option(help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else calibrated now)."),
-    ] = None,
-    profile: Annotated[
-        Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
-    ] = None,
+    budget: BudgetOption = None,
+    profile: ProfileOption = None,
     min_kept: Annotated[
         int,
         typer.Option(

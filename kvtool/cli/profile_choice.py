@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import typer
 from rich.console import Console
 
 from kvtool.cli.progress import StageBars
@@ -21,6 +22,19 @@ KV_FORMAT_HELP = (
     "KEYS/VALUES (int8/int4-g32). Default: as the profile was calibrated. The budget stays a share of the "
     "native cache's bytes, so a lower precision keeps more entries."
 )
+
+
+# The model argument and the profile options of the commands that run a cache (generate, serve), the same in each.
+ModelArgument = Annotated[
+    str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")
+]
+BudgetOption = Annotated[
+    float | None,
+    typer.Option(help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else calibrated now)."),
+]
+ProfileOption = Annotated[
+    Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
+]
 
 
 def check_choice(budget: float | None, profile_path: Path | None) -> None:

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import BudgetOption, ModelArgument, ProfileOption, check_choice, choose_cache_profile
 from kvtool.errors import KvtoolError
 
 
 @app.command("serve")
 def serve_command(
-    model: Annotated[
-        str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")
-    ],
-    budget: Annotated[
-        float | None,
-        typer.Option(help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else calibrated now)."),
-    ] = None,
-    profile: Annotated[
-        Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
-    ] = None,
+    model: ModelArgument,
+    budget: BudgetOption = None,
+    profile: ProfileOption = None,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     kv_memory: Annotated[
