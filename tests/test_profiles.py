@@ -164,7 +164,7 @@ def test_save_returns_path_and_creates_parent_dirs(tmp_path: Path, profile: Prof
 def test_yaml_layout_says_budget_is_kept_fraction(good_file: Path) -> None:
     text = good_file.read_text(encoding="utf-8")
     lines = text.splitlines()
-    assert lines[0] == "# kvtool profile v1 — budget is the fraction of KV entries KEPT"
+    assert lines[0] == "# kvtool profile v1 — budget is the share of the full KV cache's bytes KEPT"
     assert "budget:\n  kept_fraction: 0.2\n" in text
     assert "priority_curve: [0.0, 0.5, 0.812345, 1.0]" in text
     assert "layer_types: [full_attention, full_attention, full_attention, sliding_attention]" in text

@@ -17,6 +17,10 @@ from tiny_models import profile_with
 # together, the others join a batch already decoding; they leave at different steps. The 4-word
 # prompt is too short to compress (kvtool generate runs it through the full cache).
 REQUESTS = [(40, 14, 0), (25, 6, 0), (60, 12, 2), (4, 9, 4), (33, 10, 7)]
+# Several arrive at once (inside step 1's decode step, so they all wait for the same prompt phase):
+# the four compressed ones of different lengths run one batched prompt phase, the two short ones
+# (full cache) another; one more joins at step 4, while the batched group decodes.
+TOGETHER = [(30, 12, 0), (40, 14, 1), (25, 6, 1), (4, 9, 1), (60, 12, 1), (5, 7, 1), (33, 10, 1), (45, 10, 4)]
 
 
 def _served(budget: float | None, draft: Draft | None = None) -> ServedModel:
@@ -25,11 +29,21 @@ def _served(budget: float | None, draft: Draft | None = None) -> ServedModel:
     return ServedModel(loaded, profile, "test")
 
 
-def _run_staggered(served: ServedModel, monkeypatch, requests=REQUESTS, **job) -> tuple[list[Run], list[int]]:
+def _run_staggered(served: ServedModel, monkeypatch, requests=REQUESTS, prompt_rows: list | None = None,
+                   **job) -> tuple[list[Run], list[int]]:
     """Runs `requests` through one scheduler, each submitted from inside the decode step at which it
-    arrives; returns the runs and the batch size of every decode step."""
+    arrives; returns the runs and the batch size of every decode step (`prompt_rows`, if given,
+    gets the rows of every prompt phase)."""
     sizes: list[int] = []
     step_of_batch = scheduler_module.decode_step
+    if prompt_rows is not None:
+        prepared = scheduler_module.prepare
+
+        def counting_prepare(model, prompt, *args, **kwargs):
+            prompt_rows.append(prompt.input_ids.shape[0])
+            return prepared(model, prompt, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler_module, "prepare", counting_prepare)
     scheduler = Scheduler(served, Ledger(None, 16))
     runs = [Run(Job(ids=prompt_ids(served.tokenizer, words, seed=i), max_tokens=limit, **job))
             for i, (words, limit, _) in enumerate(requests)]
@@ -68,31 +82,92 @@ def _check_batch_shape(sizes: list[int]) -> None:
     assert max(sizes) >= 3 and any(b > a for a, b in pairs[first_drop:]), sizes
 
 
+def _check_each_alone(served: ServedModel, runs: list[Run]) -> None:
+    for run in runs:
+        assert run.last[0] == "done", run.last
+        assert run.job.generated == _alone(served, run.job.ids, run.job.max_tokens)
+        usage = run.last[1]
+        assert usage["completion_tokens"] == len(run.job.generated)
+        if len(run.job.ids) > served.short_tokens:  # compressed: fewer bytes than the full cache
+            assert usage["kv_bytes"] < usage["kv_bytes_full"]
+        # Admission reserved at least what the cache came to hold.
+        assert served.projected_bytes(len(run.job.ids), run.job.max_tokens) >= usage["kv_bytes"]
+
+
 @pytest.mark.parametrize("draft", [None, Draft(tokens=6, rounds=2, verify=True)], ids=["no-draft", "draft"])
 def test_compressed_requests_joining_and_leaving_equal_each_alone(monkeypatch, draft) -> None:
     served = _served(0.5, draft)
     try:
         runs, sizes = _run_staggered(served, monkeypatch, temperature=0.0)
         _check_batch_shape(sizes)
-        for run in runs:
-            assert run.last[0] == "done", run.last
-            assert run.job.generated == _alone(served, run.job.ids, run.job.max_tokens)
-            usage = run.last[1]
-            assert usage["completion_tokens"] == len(run.job.generated)
-            if len(run.job.ids) > served.short_tokens:  # compressed: fewer bytes than the full cache
-                assert usage["kv_bytes"] < usage["kv_bytes_full"]
-            # Admission reserved at least what the cache came to hold.
-            assert served.projected_bytes(len(run.job.ids), run.job.max_tokens) >= usage["kv_bytes"]
+        _check_each_alone(served, runs)
     finally:
         served.close()
 
 
-def test_full_cache_batch_equals_the_unmodified_model(monkeypatch) -> None:
+@pytest.mark.parametrize("draft", [None, Draft(tokens=6, rounds=2, verify=True)], ids=["no-draft", "draft"])
+def test_requests_arriving_together_share_a_prompt_phase_and_equal_each_alone(monkeypatch, draft) -> None:
+    served = _served(0.5, draft)
+    try:
+        rows: list[int] = []
+        runs, sizes = _run_staggered(served, monkeypatch, TOGETHER, prompt_rows=rows, temperature=0.0)
+        # The first alone, the four compressed ones as one batch, the two short ones as another, the last alone.
+        assert rows == [1, 4, 2, 1], rows
+        assert sizes[0] == 1, sizes
+        # One of the batched four was still decoding at step 5, the last one's first (it joined at step 4).
+        assert max(len(runs[i].job.generated) for i in (1, 2, 4, 6)) >= 5
+        _check_each_alone(served, runs)
+    finally:
+        served.close()
+
+
+def test_a_request_cancelled_while_waiting_leaves_its_group_to_run(monkeypatch) -> None:
+    served = _served(0.5)
+    scheduler = Scheduler(served, Ledger(None, 16))
+    first = Run(Job(ids=prompt_ids(served.tokenizer, 30, seed=0), max_tokens=6))
+    group = [Run(Job(ids=prompt_ids(served.tokenizer, n, seed=i + 1), max_tokens=8)) for i, n in enumerate([40, 25, 50])]
+    rows: list[int] = []
+    prepared, step_of_batch = scheduler_module.prepare, scheduler_module.decode_step
+
+    def counting_prepare(model, prompt, *args, **kwargs):
+        rows.append(prompt.input_ids.shape[0])
+        return prepared(model, prompt, *args, **kwargs)
+
+    def arriving(model, caches, tokens, positions):
+        if not rows[1:]:  # the first step: the three arrive, and the middle one's client goes away
+            for run in group:
+                assert scheduler.submit(run.job)
+            group[1].job.cancel()
+        return step_of_batch(model, caches, tokens, positions)
+
+    monkeypatch.setattr(scheduler_module, "prepare", counting_prepare)
+    monkeypatch.setattr(scheduler_module, "decode_step", arriving)
+    try:
+        assert scheduler.submit(first.job)
+        for run in (first, group[0], group[2]):
+            assert run.done.wait(60), "a request did not finish"
+        scheduler.stop(30)
+        assert rows == [1, 2], rows
+        assert scheduler.counts["cancelled"] == 1 and scheduler.counts["completed"] == 3
+        assert not group[1].events and scheduler.ledger.rows == 0
+        for run in (group[0], group[2]):
+            assert run.job.generated == _alone(served, run.job.ids, run.job.max_tokens)
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["staggered", "together"])
+def test_full_cache_batch_equals_the_unmodified_model(monkeypatch, together) -> None:
     served = _served(None)
     plain = tiny_loaded().model  # the same weights, never attached
     try:
-        runs, sizes = _run_staggered(served, monkeypatch, temperature=0.0)
-        _check_batch_shape(sizes)
+        rows: list[int] = []
+        runs, sizes = _run_staggered(served, monkeypatch, TOGETHER if together else REQUESTS, prompt_rows=rows,
+                                     temperature=0.0)
+        if together:
+            assert rows == [1, 6, 1], rows  # without a profile every request runs the full cache: one kind
+        else:
+            _check_batch_shape(sizes)
         for run in runs:
             ids = torch.tensor([run.job.ids])
             with torch.inference_mode():

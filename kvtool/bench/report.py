@@ -156,5 +156,8 @@ def render(console: Console, result: BenchResult, *, model: str, source: str, pr
             soft_wrap=True,
         )
     by_type = ", ".join(f"{kind.removesuffix('_attention')} layers {share:.1%}" for kind, share in result.kv_fraction_by_type.items())
-    console.print(f"KV cache: kvtool holds {result.kv_fraction:.1%} of the full cache's bytes" + (f" ({by_type})" if by_type else ""))
+    # A float32 model's share also against a 16-bit cache of the same entries (what GPUs serve).
+    native = {"float32": 4, "float64": 8}.get(result.dtype, 2)
+    sixteen = f"; {result.kv_fraction * native / 2:.1%} of a 16-bit one" if native > 2 else ""
+    console.print(f"KV cache: kvtool holds {result.kv_fraction:.1%} of the full cache's bytes{sixteen}" + (f" ({by_type})" if by_type else ""))
     console.print(Text(f"peak memory: {result.peak_memory_method}", style="dim"), soft_wrap=True)

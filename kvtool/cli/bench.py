@@ -27,7 +27,7 @@ def bench_command(
     budget: Annotated[
         float | None,
         typer.Option(
-            help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else "
+            help="Kept share of the KV cache's bytes in (0, 1]: the calibrated profile for the model (built-in, else "
             f"calibrated now), as in `kvtool generate` and `kvtool eval`. Default {DEFAULT_BUDGET:g} when "
             "neither --budget nor --profile is given."
         ),

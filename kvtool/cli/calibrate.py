@@ -64,7 +64,7 @@ def calibrate_command(
     model: Annotated[
         str, typer.Argument(help="Alias (smollm2, gemma3-270m), HF model directory, .gguf file, or cached hub id.")
     ],
-    budget: Annotated[float, typer.Option("--budget", help="Fraction of KV entries KEPT, in (0, 1]; 0.2 evicts 80%.")],
+    budget: Annotated[float, typer.Option("--budget", help="Share of the full KV cache's bytes kept, in (0, 1] (at the model's own precision: on a float32 model 0.1 is 0.2 of a 16-bit cache).")],
     data: Annotated[
         Path | None, typer.Option(
             "--data",

@@ -38,7 +38,7 @@ def parse_budgets(text: str) -> tuple[float, ...]:
         except ValueError:
             raise KvtoolError(f"--budgets: {item!r} is not a number") from None
         if not 0.0 < value <= 1.0:
-            raise KvtoolError(f"--budgets: {item} is outside (0, 1] (a budget is the fraction of KV entries kept)")
+            raise KvtoolError(f"--budgets: {item} is outside (0, 1] (a budget is the share of the KV cache's bytes kept)")
         budgets.append(value)
     return tuple(budgets)
 
@@ -58,7 +58,7 @@ def eval_command(
         Path | None,
         typer.Option("--profile", help="Calibrated profile for the per-layer methods (default: the built-in one, else calibrate first)."),
     ] = None,
-    budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated kept fractions.")] = "0.1,0.2,0.5",
+    budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated kept shares of the KV cache's bytes.")] = "0.1,0.2,0.5",
     methods: Annotated[
         str,
         typer.Option(

@@ -83,7 +83,11 @@ def render(
     table.add_row("KV cache", f"{human_bytes(result.kv_bytes)} ({result.kv_bytes:,} B)")
     table.add_row("full cache", f"{human_bytes(result.kv_bytes_full)} ({result.kv_bytes_full:,} B)")
     if result.kv_bytes_full:
-        table.add_row("kept", f"{result.kv_bytes / result.kv_bytes_full:.1%} of the full cache")
+        kept = result.kv_bytes / result.kv_bytes_full
+        native = loaded.model.dtype.itemsize
+        # Against the bytes a 16-bit cache of the same entries would hold (what GPUs serve), on wider models.
+        sixteen = f" ({kept * native / 2:.1%} of a 16-bit one)" if native > 2 else ""
+        table.add_row("kept", f"{kept:.1%} of the full cache{sixteen}")
     if len(result.kv_by_type) > 1:
         for kind, (held, full) in result.kv_by_type.items():
             table.add_row(f"  {kind.removesuffix('_attention')} layers", f"{held / full:.1%} of {human_bytes(full)}" if full else "—")

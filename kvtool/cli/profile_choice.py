@@ -30,7 +30,7 @@ ModelArgument = Annotated[
 ]
 BudgetOption = Annotated[
     float | None,
-    typer.Option(help="Kept fraction of the KV cache in (0, 1]: the calibrated profile for the model (built-in, else calibrated now)."),
+    typer.Option(help="Kept share of the KV cache's bytes in (0, 1]: the calibrated profile for the model (built-in, else calibrated now)."),
 ]
 ProfileOption = Annotated[
     Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")

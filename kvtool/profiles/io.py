@@ -20,7 +20,7 @@ from kvtool.profiles.queries import load_query_stats, save_query_stats, sidecar_
 from kvtool.profiles.schema import SCHEMA_VERSION, Profile, QueriesFile
 from kvtool.profiles.validate import check_document, validate_profile
 
-HEADER = f"# kvtool profile v{SCHEMA_VERSION} — budget is the fraction of KV entries KEPT\n"
+HEADER = f"# kvtool profile v{SCHEMA_VERSION} — budget is the share of the full KV cache's bytes KEPT\n"
 
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:

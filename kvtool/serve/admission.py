@@ -13,8 +13,9 @@ the profile leaves whole) plus the slots a layer adds when it grows (`GROWTH_SLO
 its stored bytes (keys and values, every KV head) and the per-slot bookkeeping a compressing layer
 carries. It is what the cache can grow to, so it bounds what `usage.kv_bytes` reports at the end
 (tests/test_serve_scheduler.py checks it). A prompt's forward holds its full keys and values until
-the layer compresses them (with a draft, until the last round): one request at a time, since the
-scheduler runs one prompt phase at once; that transient is not reserved.
+the layer compresses them (with a draft, until the last round): one group of waiting requests at a
+time, since the scheduler runs one prompt phase at once (its PROMPT_GROUP_ROWS and
+PROMPT_GROUP_TOKENS bound the group); that transient is not reserved.
 """
 
 from __future__ import annotations

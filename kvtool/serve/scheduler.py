@@ -5,14 +5,25 @@ waits on its events; everything that touches the model runs here, one thing at a
 
 1. requests whose client went away are dropped: their caches and reservations go before the next
    step, so a disconnect frees its rows within a step;
-2. the oldest waiting request runs its prompt phase (`runtime.draft.prepare`: prefill, the draft if
-   the profile has one, compression) into its own cache and picks its first token;
+2. the waiting group runs its prompt phase: the oldest waiting request and the waiting ones that
+   run with the same cache and draft (`ServedModel.cache_for`: compressed or, for a short prompt,
+   the full cache; a sampled request's draft is not verified; the draft is capped by max_tokens),
+   up to PROMPT_GROUP_ROWS of them and PROMPT_GROUP_TOKENS padded tokens. One
+   `runtime.draft.prepare` over their left-padded batch (prefill, the draft if the profile has one,
+   compression), then its cache is split into one cache per request (`runtime.split`), each
+   holding its row as that request's own prompt phase would; each request picks its first token;
 3. one decode step feeds every running request its latest token (`serve.batch.decode_step`), each
    row through its own cache; finished requests report their usage and leave.
 
-One prompt phase per step keeps the running requests' tokens coming while others join. Each
-request's tokens depend on its own cache and logits only, so at temperature 0 its reply is what
-`kvtool generate` gives it alone, whatever else is in the batch.
+One prompt phase per step keeps the running requests' tokens coming while others join; running the
+waiting requests' prompt phases as one batch pays a draft's decode-like steps once for the group
+instead of once per request. Each request's tokens depend on its own cache and logits only, so at
+temperature 0 its reply is what `kvtool generate` gives it alone, whatever else is in the batch
+(tests/test_serve_scheduler.py): a padded row's layers hold what its prompt alone leaves them, and
+its values differ only by the float rounding a batch's matrix products and masked attention give
+(the tiny test model in float32: compressed layers' kept entries bit for bit, budget-1.0 layers'
+within 4e-6, first logits within 5e-6; the batched decode step's own rounding is 6e-6), which
+changes no greedy token or kept entry unless two values tie that closely.
 """
 
 from __future__ import annotations
@@ -27,17 +38,24 @@ from typing import Any, Callable
 import torch
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.draft import prepare
+from kvtool.runtime.draft import Verified, prepare
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
+from kvtool.runtime.split import split_rows
 from kvtool.runtime.steps import Prompt
 from kvtool.serve.admission import Ledger
 from kvtool.serve.batch import decode_step
 from kvtool.serve.sampling import Picker, StopText
-from kvtool.serve.served import ServedModel
+from kvtool.serve.served import RequestCache, ServedModel
 
 log = logging.getLogger("kvtool.serve")
 
 _ids = itertools.count(1)
+
+# The most requests one prompt phase runs at once, and the most padded tokens (rows x the longest
+# prompt) it takes: a prompt phase's activations (and, with a draft, its held prompts) grow with the
+# batch, and admission reserves only what the caches keep. A prompt longer than this runs alone.
+PROMPT_GROUP_ROWS = 8
+PROMPT_GROUP_TOKENS = 8192
 
 
 @dataclass
@@ -126,38 +144,93 @@ class Scheduler:
                         self._wake.wait()
                     if self._stopping and not self._waiting and not self._running:
                         return
-                    job = self._waiting.popleft() if self._waiting else None
+                    group = self._take_group()
                 self._drop_cancelled()
-                if job is not None:
-                    self._start(job)
+                if group:
+                    self._start(group)
                 if self._running:
                     self._step()
+
+    def _take_group(self) -> list[tuple[Job, RequestCache]]:
+        """The oldest waiting request and the waiting ones after it whose prompt phase can share its
+        batch (the same cache and draft, `RequestCache.kind`), up to PROMPT_GROUP_ROWS rows and
+        PROMPT_GROUP_TOKENS padded tokens; they leave the queue (called holding the lock)."""
+        if not self._waiting:
+            return []
+        oldest = self._waiting.popleft()
+        first = self._cache_for(oldest)
+        group = [(oldest, first)]
+        if not first.shares_prompt:
+            return group
+        width = len(oldest.ids)
+        for job in list(self._waiting):
+            if len(group) >= PROMPT_GROUP_ROWS:
+                break
+            chosen = self._cache_for(job)
+            wider = max(width, len(job.ids))
+            if chosen.kind != first.kind or wider * (len(group) + 1) > PROMPT_GROUP_TOKENS:
+                continue
+            self._waiting.remove(job)
+            group.append((job, chosen))
+            width = wider
+        return group
+
+    def _cache_for(self, job: Job) -> RequestCache:
+        return self.served.cache_for(len(job.ids), job.max_tokens, job.temperature > 0)
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._running if j.cancelled]:
             self._leave(job, "cancelled")
 
-    def _start(self, job: Job) -> None:
-        if job.cancelled:
-            self._leave(job, "cancelled")
+    def _start(self, group: list[tuple[Job, RequestCache]]) -> None:
+        """One prompt phase for every job of `group` (one kind, `_take_group`): a left-padded batch
+        through `prepare`, its cache split into one per request (`runtime.split`); a job alone runs
+        its own row, unpadded."""
+        for job, _ in group:
+            if job.cancelled:
+                self._leave(job, "cancelled")
+        group = [(job, chosen) for job, chosen in group if not job.cancelled]
+        if not group:
             return
-        served = self.served
+        jobs, chosen = [job for job, _ in group], group[0][1]
         try:
-            sampling = job.temperature > 0
-            chosen = served.cache_for(len(job.ids), job.max_tokens, sampling)
-            ids = torch.tensor([job.ids], dtype=torch.long, device=served.model.device)
-            ready = prepare(served.model, Prompt.of({"input_ids": ids}), chosen.make, chosen.draft)
-            job.cache = ready.cache
-            job.picker = Picker(job.temperature, job.top_p, job.seed, ready.prefix)
-            job.text = StopText(served.decode, job.stops)
-            self._running.append(job)
-            self.peak_rows = max(self.peak_rows, len(self._running))
-            self._advance(job, ready.first_logits[0])
+            ready = prepare(self.served.model, self._prompt(jobs), chosen.make, chosen.draft)
+            caches = [ready.cache] if len(jobs) == 1 else split_rows(ready.cache, chosen.make)
         except KvtoolError as exc:
-            self._leave(job, "failed", str(exc))
+            for job in jobs:
+                self._leave(job, "failed", str(exc))
+            return
         except Exception as exc:  # a request must never take the server down
             log.exception("prompt phase failed")
-            self._leave(job, "failed", f"internal error in the prompt phase: {type(exc).__name__}: {exc}")
+            for job in jobs:
+                self._leave(job, "failed", f"internal error in the prompt phase: {type(exc).__name__}: {exc}")
+            return
+        first, prefix = ready.first_logits, ready.prefix
+        del ready  # a split batch's own cache goes now: each request holds its row
+        for row, (job, cache) in enumerate(zip(jobs, caches)):
+            try:
+                job.cache = cache
+                mine = None if prefix is None else Verified(prefix.tokens[row : row + 1], prefix.lengths[row : row + 1])
+                job.picker = Picker(job.temperature, job.top_p, job.seed, mine)
+                job.text = StopText(self.served.decode, job.stops)
+                self._running.append(job)
+                self.peak_rows = max(self.peak_rows, len(self._running))
+                self._advance(job, first[row])
+            except Exception as exc:
+                log.exception("first token failed")
+                self._leave(job, "failed", f"internal error after the prompt phase: {type(exc).__name__}: {exc}")
+
+    def _prompt(self, jobs: list[Job]) -> Prompt:
+        """The jobs' prompts as one left-padded batch (one row: the prompt as it is)."""
+        width = max(len(job.ids) for job in jobs)
+        pad = self.served.tokenizer.pad_token_id
+        ids = torch.full((len(jobs), width), 0 if pad is None else pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, job in enumerate(jobs):
+            ids[row, width - len(job.ids):] = torch.tensor(job.ids, dtype=torch.long)
+            mask[row, width - len(job.ids):] = 1
+        device = self.served.model.device
+        return Prompt.of({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
 
     def _step(self) -> None:
         running = [j for j in self._running if not j.cancelled]

@@ -23,17 +23,25 @@ from kvtool.runtime.attach import layer_plans, layer_queries
 from kvtool.runtime.layer.slots import GROWTH_SLOTS
 from kvtool.runtime.layer.stored import EntryStorage
 from kvtool.runtime.memory import SHORT_PROMPT_SHARE, kv_bytes_per_token
+from kvtool.runtime.split import splittable
 from kvtool.serve.admission import KvFootprint, LayerShare
 
 
 @dataclass(frozen=True)
 class RequestCache:
-    """How one request runs: its cache factory, the draft (None: the prompt's own attention), and
-    its footprint for admission."""
+    """How one request runs: its cache factory, the draft (None: the prompt's own attention), its
+    footprint for admission, and whether requests of one kind share a prompt phase (`shares_prompt`:
+    their caches split into rows after it, `runtime.split`)."""
 
     make: Any
     draft: Draft | None
     footprint: KvFootprint
+    shares_prompt: bool = False
+
+    @property
+    def kind(self) -> tuple:
+        """What requests whose prompt phases run as one batch must share: the cache and the draft."""
+        return (self.make, self.draft)
 
 
 class ServedModel:
@@ -58,8 +66,14 @@ class ServedModel:
         # Prompts shorter than this keep every entry, as `kvtool generate` leaves them (runtime.memory).
         self.short_tokens = SHORT_PROMPT_SHARE * weights / kv_bytes_per_token(model)
         plans = layer_plans(self.profile, 0, layer_queries(model, self.profile))  # what bare_cache's layers follow
-        self.compressed_cache = RequestCache(self.handle.bare_cache, self.profile.method.draft, self._footprint(plans))
-        self.full_cache = RequestCache(lambda: KvtoolCache(model.config, self._full_plans), None, self._footprint(self._full_plans))
+        self.compressed_cache = RequestCache(
+            self.handle.bare_cache, self.profile.method.draft, self._footprint(plans), splittable(self.handle.bare_cache())
+        )
+
+        def make_full() -> KvtoolCache:
+            return KvtoolCache(model.config, self._full_plans)
+
+        self.full_cache = RequestCache(make_full, None, self._footprint(self._full_plans), splittable(make_full()))
 
     def cache_for(self, prompt_tokens: int, max_tokens: int, sampling: bool) -> RequestCache:
         """The cache one request of `prompt_tokens` tokens runs with, as `kvtool generate` chooses it."""
