@@ -46,7 +46,9 @@ def loop_for(model: Any, cache: Any, inputs: Mapping[str, Any], kwargs: Mapping[
     if type(cache) is not KvtoolCache or not all(isinstance(layer, CompressingLayer) for layer in cache.layers):
         return {}
     if loop == "auto" and any(layer.storage.quantized for layer in cache.layers):
-        return {}  # the fixed-slot step reads native entries only: quantized layers decode eagerly
+        # The fixed-slot step reads quantized slots (tested on the CPU, in Triton's interpreter), but the
+        # captured graph over them has not run on a GPU yet: quantized layers decode eagerly there until it has.
+        return {}
     if set(inputs) - {"input_ids", "attention_mask"} or any(kwargs.get(key) for key in _NEEDS_OWN_LOOP):
         return {}
     if is_vision_language(model.config):  # positions of its own (multimodal rope) after an image

@@ -36,8 +36,15 @@ score before its mask in `_partials` and `_finish`, and `_finish` counts its hea
 the combined max and sum (a column with no value), so the output and the probabilities `_gains`
 adds are the model's (`triton_scores.logit_terms`).
 
-Over 400 lines because the four kernels and the launcher that passes each one its strides, splits and
-block sizes must be read together.
+A quantized layer's slots hold int8 or fp8 byte rows (layer/stored.py; `formats` says which, keys
+and values apart). The new token comes in as the row `storage.write` gives, so `_place` copies
+stored rows whatever they hold, bit for bit the eager step's; `_partials` and `_finish` read codes
+and scales through kernels/stored_loads.py, so scores and output come from the entries attention
+reads. Other formats are refused (`available`) and take the eager fixed step. `step_compile`
+compiles the kernels for a GPU without one.
+
+Over 400 lines because the four kernels and the launcher that passes each one its strides, splits,
+block sizes and storage formats must be read together.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.runtime.kernels import triton_scores
+from kvtool.runtime.kernels import stored_loads, triton_scores
 from kvtool.runtime.settings import current_settings
 
 try:
@@ -70,6 +77,7 @@ INTERPRETER_BLOCK_S, INTERPRETER_FINISH_BLOCK_S = 16, 32  # several blocks even 
 # batch x KV heads x splits reaches it, in whole blocks.
 TARGET_PROGRAMS = 264
 MAX_HEAD_DIM = 256
+NATIVE = ("native", "native")
 
 
 @dataclass(frozen=True)
@@ -93,8 +101,10 @@ class StepScratch:
     split: int  # slots per split, a multiple of the block
 
     @classmethod
-    def for_layer(cls, keys: torch.Tensor, n_heads: int) -> "StepScratch":
-        bsz, n_kv_heads, slots, head_dim = keys.shape
+    def for_layer(cls, keys: torch.Tensor, n_heads: int, head_dim: int | None = None) -> "StepScratch":
+        """For `keys` [B, Hkv, S, W] (stored rows: W bytes of a `head_dim` entry; native: W = D)."""
+        bsz, n_kv_heads, slots, width = keys.shape
+        head_dim = width if head_dim is None else head_dim
         block = _blocks()[0]
         groups = n_heads // n_kv_heads
         blocks = -(-slots // block)
@@ -117,9 +127,14 @@ class StepScratch:
         )
 
 
-def available(keys: torch.Tensor) -> bool:
-    """Whether the kernels can run on `keys`' device and dtype (see `triton_scores.available`)."""
-    return triton is not None and keys.shape[-1] <= MAX_HEAD_DIM and triton_scores.available(keys)
+def available(keys: torch.Tensor, formats: tuple[str, str] = NATIVE, dtype: torch.dtype | None = None,
+              head_dim: int | None = None) -> bool:
+    """Whether the kernels run on `keys`' device over entries stored as `formats` (`stored_loads`),
+    of `head_dim` values in `dtype` (native: as `keys`; see `triton_scores.available`)."""
+    if triton is None or stored_loads.format_codes(formats) is None:
+        return False
+    probe = keys if tuple(formats) == NATIVE else torch.empty(0, dtype=dtype or keys.dtype, device=keys.device)
+    return (head_dim or keys.shape[-1]) <= MAX_HEAD_DIM and triton_scores.available(probe)
 
 
 def decode_step(
@@ -129,22 +144,26 @@ def decode_step(
     state: dict[str, torch.Tensor | None],
     scaling: float,
     scratch: StepScratch,
+    formats: tuple[str, str] = NATIVE,
 ) -> torch.Tensor:
     """One decode step of a packed per-head heavy-hitter layer with fixed slots, in place.
 
-    query [B, Hq, 1, D]; key, value [B, Hkv, 1, D] (the new token's); `state`: the layer's `keys`,
-    `values` [B, Hkv, S, D], `valid` [B, S] bool, `order` [B, Hkv, S] long, `score` [B, Hkv, S]
-    float32, `frozen` [B, Hkv, S] bool or None, and the fixed counters `kept`, `tokens` [B] long,
-    `seen` [] long, `share` [counts, B] long (`FixedCounters`). Returns the attention output
-    [B, 1, Hq, D] (sdpa_attention_forward's layout) in the query's dtype."""
-    keys, values = state["keys"], state["values"]
-    bsz, n_kv_heads, slots, head_dim = keys.shape
-    n_heads = query.shape[1]
+    query [B, Hq, 1, D]; key, value [B, Hkv, 1, W] (the new token's, stored as the layer stores
+    it); `state`: the layer's `keys`, `values` [B, Hkv, S, W], `valid` [B, S] bool, `order`
+    [B, Hkv, S] long, `score` [B, Hkv, S] float32, `frozen` [B, Hkv, S] bool or None, and the fixed
+    counters `kept`, `tokens` [B] long, `seen` [] long, `share` [counts, B] long (`FixedCounters`).
+    `formats`: the keys' and values' storage (native: W = D; int8, fp8: W = D + 4 bytes, read by
+    `stored_loads`). Returns the attention output [B, 1, Hq, D] (sdpa_attention_forward's layout)
+    in the query's dtype."""
+    keys, values, key, value = stored_loads.kernel_rows((state["keys"], state["values"], key, value), formats, query.dtype)
+    bsz, n_kv_heads, slots = keys.shape[:3]
+    n_heads, head_dim = query.shape[1], query.shape[3]
+    key_format, value_format = stored_loads.format_codes(formats)
     groups = n_heads // n_kv_heads
     block_g = max(16, triton.next_power_of_2(groups))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block, finish_block = _blocks()
-    precision = "ieee" if keys.dtype == torch.float32 else "tf32"
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
     qk_scale = float(scaling) * triton_scores.LOG2E
     cap2, cap_k, sinks = triton_scores.logit_terms(scaling, n_heads, query.device)
     order, score, frozen = state["order"], state["score"], state["frozen"]
@@ -160,7 +179,7 @@ def decode_step(
         *query.stride()[:2], query.stride(3), *keys.stride(), *values.stride(),
         n_kv_heads, slots, qk_scale, scratch.split, splits, cap2, cap_k,
         G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block, PRECISION=precision,
-        HAS_SOFTCAP=cap2 != 0.0,
+        HAS_SOFTCAP=cap2 != 0.0, KEY_FORMAT=key_format, VALUE_FORMAT=value_format,
     )
     finish[(rows,)](
         query, key, value, out, scratch.maxes, scratch.sums, scratch.outs, scratch.final, scratch.own, seen, scratch.seen,
@@ -169,6 +188,7 @@ def decode_step(
         out.stride(0), out.stride(2), out.stride(3),
         n_kv_heads, qk_scale, splits, cap2, cap_k,
         G=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_SOFTCAP=cap2 != 0.0, HAS_SINKS=sinks is not None,
+        KEY_FORMAT=key_format, VALUE_FORMAT=value_format,
     )
     gain_splits, gain_split = (splits, scratch.split) if current_settings().split_victim_search else (1, slots)
     gains[(rows, gain_splits)](
@@ -185,33 +205,15 @@ def decode_step(
         *order.stride(), *score.stride(), *(frozen.stride() if state["frozen"] is not None else (0, 0, 0)),
         *valid.stride(), *share.stride(),
         n_kv_heads, gain_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_FROZEN=state["frozen"] is not None,
+        K_WIDTH=keys.shape[3], BLOCK_KW=_block(keys.shape[3]), V_WIDTH=values.shape[3], BLOCK_VW=_block(values.shape[3]),
+        HAS_FROZEN=state["frozen"] is not None,
     )
     return out
 
 
-def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, groups: int = 4, arch: int = 90) -> dict[str, dict[str, int]]:
-    """The four kernels compiled for an NVIDIA GPU of compute capability `arch` without one, with
-    their registers, stack and shared memory (`triton_scores.resource_usage`): what the interpreter
-    lets through and the compiler does not shows up here."""
-    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    shape = dict(G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), HEAD_DIM=head_dim,
-                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_S=BLOCK_S)
-    precision = "ieee" if dtype == torch.float32 else "tf32"
-    kernels = {
-        "partials": (_partials, [f"*{ty}"] * 3 + ["*i64"] + ["*fp32"] * 4 + ["i64"] * 11 + ["i32", "i32", "fp32", "i32", "i32", "fp32", "fp32"],
-                     dict(shape, PRECISION=precision, HAS_SOFTCAP=False)),
-        "finish": (_finish, [f"*{ty}"] * 4 + ["*fp32"] * 5 + ["*i64"] * 2 + ["*fp32"] + ["i64"] * 12 + ["i32", "fp32", "i32", "fp32", "fp32"],
-                   {**{k: v for k, v in shape.items() if k != "BLOCK_S"}, "HAS_SOFTCAP": False, "HAS_SINKS": False}),
-        "gains": (_gains, ["*fp32", "*fp32", "*i64", "*fp32"] + ["*i64"] * 4 + ["*fp32", "*i64"] + ["i64"] * 8 + ["i32"] * 4,
-                  dict(G=shape["G"], BLOCK_G=shape["BLOCK_G"], BLOCK_S=FINISH_BLOCK_S)),
-        "place": (_place, [f"*{ty}"] * 4 + ["*i64", "*fp32", "*u8", "*u8"] + ["*i64"] * 5 + ["*fp32", "*fp32", "*i64"]
-                  + ["i64"] * 27 + ["i32"] * 2, dict(HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], HAS_FROZEN=True)),
-    }
-    return {
-        name: triton_scores.resource_usage(fn, types, constexprs, warps=4, stages=2, arch=arch)
-        for name, (fn, types, constexprs) in kernels.items()
-    }
+def _block(width: int) -> int:
+    """The power-of-two block that covers a row of `width` values or bytes."""
+    return max(16, triton.next_power_of_2(width))
 
 
 def _blocks() -> tuple[int, int]:
@@ -238,6 +240,7 @@ if triton is not None:
         HKV, S, qk_scale, SPLIT, SPLITS, cap2, cap_k,
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        KEY_FORMAT: tl.constexpr, VALUE_FORMAT: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -263,9 +266,14 @@ if triton is not None:
             cols = s0 + offs
             c_ok = cols < hi
             kv_mask = c_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + cols[:, None].to(tl.int64) * sks + dims[None, :] * skd, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + cols[:, None].to(tl.int64) * svs + dims[None, :] * svd, mask=kv_mask, other=0.0)
+            k_rows = k_ptr + cols.to(tl.int64) * sks
+            v_rows = v_ptr + cols.to(tl.int64) * svs
+            # Stored rows: their codes, exact in the model's dtype, and one scale per slot, applied to
+            # the scores and the probabilities (q . codes x scale = q . (codes x scale)).
+            k = stored_loads.codes(k_rows[:, None] + dims[None, :] * skd, kv_mask, KEY_FORMAT).to(Q.dtype.element_ty)
+            v = stored_loads.codes(v_rows[:, None] + dims[None, :] * svd, kv_mask, VALUE_FORMAT).to(Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = s * stored_loads.scale(k_rows + HEAD_DIM * skd, skd, c_ok, KEY_FORMAT)[None, :]  # native: 1
             if HAS_SOFTCAP:  # cap·tanh(s / cap) through exp2, before the mask (triton_scores)
                 e = tl.exp2(tl.abs(s) * cap_k)
                 s = tl.where(s < 0, -cap2, cap2) * ((1.0 - e) / (1.0 + e))
@@ -276,7 +284,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            p_v = p * stored_loads.scale(v_rows + HEAD_DIM * svd, svd, c_ok, VALUE_FORMAT)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         at = (row * SPLITS + part) * G + groups
         tl.store(Maxes + at, m_i, mask=g_ok)
@@ -291,7 +300,7 @@ if triton is not None:
         sob, soh, sod,
         HKV, qk_scale, SPLITS, cap2, cap_k,
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KEY_FORMAT: tl.constexpr, VALUE_FORMAT: tl.constexpr,
     ):
         row = tl.program_id(0)
         b = row // HKV
@@ -302,8 +311,14 @@ if triton is not None:
         d_ok = dims < HEAD_DIM
         q_ptr = Q + b.to(tl.int64) * sqb + (h * G + groups).to(tl.int64)[:, None] * sqh + dims[None, :] * sqd
         q = tl.load(q_ptr, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        k_new = tl.load(Knew + b.to(tl.int64) * snkb + h.to(tl.int64) * snkh + dims * snkd, mask=d_ok, other=0.0)
-        v_new = tl.load(Vnew + b.to(tl.int64) * snvb + h.to(tl.int64) * snvh + dims * snvd, mask=d_ok, other=0.0)
+        # The new token as attention reads it: codes x scale (native: its values x 1, unchanged).
+        k_row = Knew + b.to(tl.int64) * snkb + h.to(tl.int64) * snkh
+        v_row = Vnew + b.to(tl.int64) * snvb + h.to(tl.int64) * snvh
+        one = tl.full([], 1, tl.int1)
+        k_new = (stored_loads.codes(k_row + dims * snkd, d_ok, KEY_FORMAT).to(tl.float32)
+                 * stored_loads.scale(k_row + HEAD_DIM * snkd, snkd, one, KEY_FORMAT)).to(Q.dtype.element_ty)
+        v_new = (stored_loads.codes(v_row + dims * snvd, d_ok, VALUE_FORMAT).to(tl.float32)
+                 * stored_loads.scale(v_row + HEAD_DIM * snvd, snvd, one, VALUE_FORMAT)).to(Q.dtype.element_ty)
         s_new = tl.reduce(q * k_new.to(tl.float32)[None, :], 1, tl.standard._sum_combine) * qk_scale
         if HAS_SOFTCAP:
             e = tl.exp2(tl.abs(s_new) * cap_k)
@@ -398,7 +413,8 @@ if triton is not None:
         svab, svas,
         sht, shb,
         HKV, SPLITS,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FROZEN: tl.constexpr,
+        K_WIDTH: tl.constexpr, BLOCK_KW: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_VW: tl.constexpr,
+        HAS_FROZEN: tl.constexpr,
     ):
         b = tl.program_id(0)
         n = tl.load(Kept + b)
@@ -407,8 +423,11 @@ if triton is not None:
         share = tl.load(Share + tokens * sht + b * shb)
         newest = seen + 1 - share // 2
         over = n + 1 > share  # rows over their share drop a victim
-        dims = tl.arange(0, BLOCK_D)
-        d_ok = dims < HEAD_DIM
+        # The new entry's rows are copied whole: native values, or the stored bytes (codes and scale).
+        k_cols = tl.arange(0, BLOCK_KW)
+        k_ok = k_cols < K_WIDTH
+        v_cols = tl.arange(0, BLOCK_VW)
+        v_ok = v_cols < V_WIDTH
         for h in range(0, HKV):
             row = b * HKV + h
             # The splits in slot order, a strictly lower candidate winning: the first slot on ties.
@@ -424,10 +443,10 @@ if triton is not None:
             # so it wins only when strictly lower.
             victim = tl.where((seen < newest) & (own < best), n, victim)
             target = tl.where(over, victim, n)
-            k_new = tl.load(Knew + b.to(tl.int64) * snkb + h * snkh + dims * snkd, mask=d_ok, other=0.0)
-            v_new = tl.load(Vnew + b.to(tl.int64) * snvb + h * snvh + dims * snvd, mask=d_ok, other=0.0)
-            tl.store(K + b.to(tl.int64) * skb + h * skh + target * sks + dims * skd, k_new, mask=d_ok)
-            tl.store(V + b.to(tl.int64) * svb + h * svh + target * svs + dims * svd, v_new, mask=d_ok)
+            k_new = tl.load(Knew + b.to(tl.int64) * snkb + h * snkh + k_cols * snkd, mask=k_ok, other=0)
+            v_new = tl.load(Vnew + b.to(tl.int64) * snvb + h * snvh + v_cols * snvd, mask=v_ok, other=0)
+            tl.store(K + b.to(tl.int64) * skb + h * skh + target * sks + k_cols * skd, k_new, mask=k_ok)
+            tl.store(V + b.to(tl.int64) * svb + h * svh + target * svs + v_cols * svd, v_new, mask=v_ok)
             tl.store(Order + b.to(tl.int64) * srb + h * srh + target * srs, seen)
             tl.store(Score + b.to(tl.int64) * scb + h * sch + target * scs, own)
             if HAS_FROZEN:

@@ -21,6 +21,13 @@ and replayed (runtime.graphed). While slots are fixed the host counters stand st
 `release_slots()` reads the device's back and the layer decodes eagerly again. With
 `RuntimeSettings.fused_decode_step` (the default) the shipped recipe's layers place, attend and evict
 in four Triton kernels instead of some 40 eager ones (`fused_step`, kernels/triton_step.py).
+
+A quantized layer (layer/stored.py) fixes its byte rows the same way: the new token is encoded
+(`storage.write`) before it is scattered into its slot, an eviction moves whole byte rows (keys and
+values each at their own width), and attention and the rules that read keys see the slots decoded
+(`decode_view`, `storage.read`), as in the eager steps; decoding reads nothing on the host. The
+fused step reads int8 and fp8 rows itself (kernels/stored_loads.py); other formats take the eager
+fixed step.
 """
 
 from __future__ import annotations
@@ -61,11 +68,6 @@ class FixedSlots:
             raise KvtoolError("internal: the layer's slots are fixed already")
         if steps < 1:
             raise KvtoolError("internal: fixed slots need at least one step")
-        if self.storage.quantized:
-            raise KvtoolError(
-                f"fixed slots (the CUDA-graph decode) read native entries only; this layer stores "
-                f"{'/'.join(self.storage.names)} (generate with use_settings(generate_loop='off'))"
-            )
         last = self.tokens + steps
         if self.plan.evict.holds_budget and self.packed:
             # The share never falls as T grows: at most the last step's share, plus the token placed
@@ -100,22 +102,22 @@ class FixedSlots:
         return (
             self.packed and self.per_head and rule.holds_budget and type(rule).victim is HeavyHitter.victim
             and not rule.needs_attention and self.score is not None and self.image is None
-            and triton_step.available(self.keys)
+            and triton_step.available(self.keys, self.storage.names, self.dtype, self.head_dim)
         )
 
     def fused_step(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The step `_place_fixed`, the attention, `add_scores` and `_evict_fixed` make, in
         `triton_step`'s four kernels; returns the attention output [B, 1, Hq, D]."""
-        key, value = self.step_token
+        key, value = self.storage.write(*self.step_token)  # the new token's stored rows, as `_place_fixed` writes them
         self.step_token = None
         if self._step_scratch is None:
-            self._step_scratch = triton_step.StepScratch.for_layer(self.keys, query.shape[1])
+            self._step_scratch = triton_step.StepScratch.for_layer(self.keys, query.shape[1], self.head_dim)
         fixed = self.fixed
         state = dict(
             keys=self.keys, values=self.values, valid=self.valid, order=self.order, score=self.score,
             frozen=self.frozen, kept=fixed.kept, tokens=fixed.tokens, seen=fixed.seen, share=fixed.share,
         )
-        return triton_step.decode_step(query, key, value, state, scaling, self._step_scratch)
+        return triton_step.decode_step(query, key, value, state, scaling, self._step_scratch, self.storage.names)
 
     def place_step_token(self) -> None:
         """Place the held token the eager way (an attention call the fused step does not cover)."""
@@ -140,14 +142,15 @@ class FixedSlots:
             self.step_token = (key_states, value_states)  # placed by `fused_step` with the rest
             return
         fixed = self.fixed
+        key_states, value_states = self.storage.write(key_states, value_states)  # the stored form (stored.py)
         if self.packed:
             slot = fixed.kept.clone()  # the clone: `kept` changes below, the slot must not
         else:
             slot = (~self.valid).to(torch.int8).argmax(dim=1)  # first free slot
-        bsz, heads, _, dim = self.keys.shape
-        at = slot.view(bsz, 1, 1, 1).expand(bsz, heads, 1, dim)
-        self.keys.scatter_(2, at, key_states)
-        self.values.scatter_(2, at, value_states)
+        bsz, heads = self.keys.shape[:2]
+        at = slot.view(bsz, 1, 1, 1)  # stored keys and values may differ in width (their formats)
+        self.keys.scatter_(2, at.expand(bsz, heads, 1, self.keys.shape[3]), key_states)
+        self.values.scatter_(2, at.expand(bsz, heads, 1, self.values.shape[3]), value_states)
         self.valid.scatter_(1, slot[:, None], True)
         for tensor, value in ((self.frozen, False), (self.image, False), (self.score, 0.0)):
             if tensor is not None:
@@ -162,9 +165,12 @@ class FixedSlots:
         if not (self.plan.evict.holds_budget and self.packed):
             return  # prompt-only rules never evict; a layer that kept its whole prompt is never over
         share = fixed.share[fixed.tokens, fixed.rows]
+        keys, values = self.keys, self.values
+        if self.storage.quantized:  # decoded for the rules that read them, as `entry_view` does
+            keys, values = self.storage.read(keys, values, self.dtype, self.head_dim) if self.plan.evict.needs_queries else (None, None)
         view = EntryView(
             self.valid, self.order, self.frozen, fixed.seen, share, self.score, self.attention,
-            self.keys, self.values, self.plan.queries, fixed.tokens,
+            keys, values, self.plan.queries, fixed.tokens,
         )
         victim = self.plan.evict.victim(view)
         over = fixed.kept > share
@@ -173,12 +179,13 @@ class FixedSlots:
             target = torch.where(over[:, None], victim, last[:, None])
         else:
             target = torch.where(over, victim, last)
-        bsz, heads, _, dim = self.keys.shape
+        bsz, heads = self.keys.shape[:2]
         at = target[:, :, None] if target.dim() == 2 else target[:, None, None].expand(bsz, heads, 1)
         source = last[:, None, None].expand(bsz, heads, 1)
         for name, tensor in self._entry_tensors():
-            if tensor.dim() == 4:  # keys, values
-                to, src = at[..., None].expand(bsz, heads, 1, dim), source[..., None].expand(bsz, heads, 1, dim)
+            if tensor.dim() == 4:  # keys, values: whole rows, stored bytes or not (their widths may differ)
+                width = tensor.shape[3]
+                to, src = at[..., None].expand(bsz, heads, 1, width), source[..., None].expand(bsz, heads, 1, width)
                 axis = 2
             elif tensor.dim() == 3:
                 to, src, axis = at, source, 2

@@ -98,7 +98,7 @@ class SlotPlacement:
         Other layers: the whole buffer, masked by validity. Scores the attention returns are as wide
         as the view."""
         if self.fixed is not None:
-            return self.keys, self.values, self.slot_mask()  # every slot, the same shape each step
+            return (*self._read(self.keys, self.values), self.slot_mask())  # every slot, the same shape each step
         if self.packed:
             width = int(self.kept.max())
             if width > 0:
