@@ -192,7 +192,7 @@ def window_plan(layer: LayerProfile, model) -> LayerPlan:
                      window=SCORED_WINDOW_ROWS, pool=SCORED_WINDOW_POOL)
     return LayerPlan(
         ratio=1.0, merge=merge_rule("none"), sink_tokens=layer.sinks or 0, recent_window=0, truncation_distance=0,
-        cap=layer.window, native_window=native, **rules,
+        cap=layer.window, native_window=native, storage=(layer.keys_format, layer.values_format), **rules,
     )
 
 

@@ -6,7 +6,9 @@ keep more of them: a float32 SmolLM2 entry (64 values per head) is 256 bytes, at
 float32 scale 68, so budget 0.1 keeps 0.1 x 256 / 68 = 0.376 of the entries. `at_storage` turns a
 profile's byte budget into that share of entries, re-derived by the profile's own rule (its curves
 or its uniform ratio), and records each compressing layer's formats; the profile's `budget` stays
-the byte share it was asked for.
+the byte share it was asked for. On a hybrid model (`profiles.whole_cache`) the windows take the
+storage too and the whole cache's bytes are re-spent: windows scaled to the same entries per byte
+(the model's own at most, which transformers keeps native), the global layers' ratios solved for the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from kvtool.profiles import Profile, fingerprint_of
 from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.entry_bytes import entry_share
 from kvtool.profiles.schema import KV_FORMATS
-from kvtool.profiles.whole_cache import is_hybrid, rebudget
+from kvtool.profiles import whole_cache
+from kvtool.profiles.whole_cache import rebudget
 from kvtool.runtime.storage import storage_format
 
 
@@ -79,13 +82,13 @@ def check_storage(storage: KVStorage, head_dim: int, source: str) -> None:
 
 
 def with_storage(profile: Profile, storage: KVStorage, model, source: str = "profile") -> Profile:
-    """`profile` with every compressing layer storing its entries as `storage` says, ratios as they
-    are (so its bytes change): what `at_storage` then re-derives at a budget."""
-    if storage.quantized and is_hybrid(profile.model):
-        raise KvtoolError(f"{source}: quantized storage on a hybrid model's whole-cache budget is not supported yet; use --kv-format native")
+    """`profile` with every layer kvtool stores (compressing ones, and a hybrid model's windows)
+    storing its entries as `storage` says, ratios and windows as they are (so its bytes change):
+    what `at_storage` then re-derives at a budget. A sliding layer keeping the model's own window is
+    transformers' layer and stays native."""
     check_storage(storage, profile.model.head_dim, source)
     layers = tuple(
-        dataclasses.replace(layer, keys_format=storage.keys, values_format=storage.values) if layer.compress else layer
+        dataclasses.replace(layer, keys_format=storage.keys, values_format=storage.values) if whole_cache.in_kvtool(layer) else layer
         for layer in profile.layers
     )
     return dataclasses.replace(profile, layers=layers, native_bytes=native_bytes(model) if storage.quantized else None)
@@ -103,18 +106,24 @@ def at_storage(profile: Profile, storage: KVStorage | None, model, *, budget: fl
     if storage is None or storage == current:
         return profile if budget == profile.budget else rebudget(profile, budget, source=source)[0]
     stored = with_storage(profile, storage, model, source)
+    if profile.budget_tokens is not None and whole_cache.is_hybrid(profile.model):
+        # The whole cache's bytes: the windows keep as many entries per byte as before their formats changed.
+        was = whole_cache.window_cost(profile)
+        respend = lambda shaped: whole_cache.rebudget_whole(shaped, budget, source, from_cost=was)  # noqa: E731
+    else:
+        respend = lambda shaped: rebudget(shaped, budget, source=source)[0]  # noqa: E731
     compressing = [layer for layer in stored.layers if layer.compress]
     if not all(layer.priority_curve or layer.scorer_curve or layer.loss_curve for layer in compressing) \
             and len({layer.ratio for layer in compressing}) == 1:
         # One ratio everywhere and no curves (uniform_profile): that ratio at the budget's entries.
         shaped = dataclasses.replace(stored, method=dataclasses.replace(stored.method, ratios="uniform"))
-        return dataclasses.replace(rebudget(shaped, budget, source=source)[0], method=stored.method)
-    return rebudget(stored, budget, source=source)[0]
+        return dataclasses.replace(respend(shaped), method=stored.method)
+    return respend(stored)
 
 
 def storage_of(profile: Profile) -> KVStorage | None:
-    """The one storage every compressing layer of `profile` uses (None: they differ)."""
-    found = {(layer.keys_format, layer.values_format) for layer in profile.layers if layer.compress}
+    """The one storage every layer kvtool stores of `profile` uses (compressing ones and windows; None: they differ)."""
+    found = {(layer.keys_format, layer.values_format) for layer in profile.layers if whole_cache.in_kvtool(layer)}
     if not found:
         return NATIVE
     return KVStorage(*found.pop()) if len(found) == 1 else None
