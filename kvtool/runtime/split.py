@@ -23,7 +23,6 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtool.errors import KvtoolError
