@@ -42,6 +42,7 @@ from kvtool.runtime.draft import Verified, prepare
 from kvtool.runtime.memory import kv_bytes, kv_bytes_full
 from kvtool.runtime.split import split_rows
 from kvtool.runtime.steps import Prompt
+from kvtool.scoring.batches import left_pad
 from kvtool.serve.admission import Ledger
 from kvtool.serve.batch import decode_step
 from kvtool.serve.sampling import Picker, StopText
@@ -222,15 +223,10 @@ class Scheduler:
 
     def _prompt(self, jobs: list[Job]) -> Prompt:
         """The jobs' prompts as one left-padded batch (one row: the prompt as it is)."""
-        width = max(len(job.ids) for job in jobs)
         pad = self.served.tokenizer.pad_token_id
-        ids = torch.full((len(jobs), width), 0 if pad is None else pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, job in enumerate(jobs):
-            ids[row, width - len(job.ids):] = torch.tensor(job.ids, dtype=torch.long)
-            mask[row, width - len(job.ids):] = 1
+        batch = left_pad([job.ids for job in jobs], tuple(range(len(jobs))), 0 if pad is None else pad)
         device = self.served.model.device
-        return Prompt.of({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+        return Prompt.of({"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)})
 
     def _step(self) -> None:
         running = [j for j in self._running if not j.cancelled]
