@@ -28,6 +28,12 @@ def test_a_bad_kv_memory_or_budget_is_one_line_before_the_model_loads(monkeypatc
     assert code == 2 and err.strip().startswith("error: --kv-memory: cannot read 'lots'") and len(err.strip().splitlines()) == 1
     code, _, err = run(monkeypatch, capsys, "serve", "no-such-model", "--budget", "1.5")
     assert code == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1
+    code, _, err = run(monkeypatch, capsys, "serve", "no-such-model", "--budget", "0.2", "--kv-format", "int3")
+    assert code == 2 and err.startswith("error: --kv-format takes") and len(err.strip().splitlines()) == 1
+    code, _, err = run(monkeypatch, capsys, "serve", "no-such-model", "--kv-format", "int8")
+    assert code == 2 and "--kv-format needs --budget or --profile" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(monkeypatch, capsys, "serve", "no-such-model", "--min-kept", "-1")
+    assert code == 2 and "Invalid value for '--min-kept'" in err  # the option parser's own usage error
 
 
 @pytest.fixture(scope="module")

@@ -244,3 +244,26 @@ def test_a_smaller_budget_admits_more_of_the_same_requests() -> None:
         assert compressed * 2 < full
     finally:
         served.close()
+
+
+def test_a_floor_of_entries_and_a_storage_format_serve_what_generate_gives_alone(monkeypatch) -> None:
+    """`kvtool serve --min-kept N --kv-format F`: every request equals the handle's own generate
+    with that floor and storage, and admission reserves the floor's bytes."""
+    loaded = tiny_loaded()
+    from kvtool.runtime.precision import KVStorage, at_storage
+
+    profile = at_storage(profile_with(loaded.model, 0.2), KVStorage.parse("int8"), loaded.model, budget=0.1)
+    plain = ServedModel(loaded, profile, "test")
+    try:
+        bare = plain.projected_bytes(60, 10)
+    finally:
+        plain.close()
+    served = ServedModel(loaded, profile, "test", min_kept=40)
+    try:
+        assert "at least 40 entries per layer" in served.cache_note
+        assert served.projected_bytes(60, 10) > bare  # a 60-token prompt keeps 40 entries, not 20% of them
+        runs, sizes = _run_staggered(served, monkeypatch, temperature=0.0)
+        _check_batch_shape(sizes)
+        _check_each_alone(served, runs)
+    finally:
+        served.close()

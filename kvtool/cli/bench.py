@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import KV_FORMAT_HELP, check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import KvFormatOption, check_choice, choose_cache_profile
 
 DEFAULT_BUDGET = 0.2
 
@@ -55,7 +55,7 @@ def bench_command(
             "so the machine's drift between runs cannot skew the decode ratio.",
         ),
     ] = True,
-    kv_format: Annotated[str | None, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = None,
+    kv_format: KvFormatOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Measure the full cache, a kvtool cache and a truncated dense cache (the ceiling) in one process.
@@ -80,7 +80,7 @@ def bench_command(
     config = BenchConfig(
         prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch=batch, repeat=repeat, side_by_side=side_by_side
     )
-    check_choice(budget, profile)
+    check_choice(budget, profile, kv_format)
     if profile is None and budget is None:
         budget = DEFAULT_BUDGET
     loaded = load_model(model)

@@ -11,7 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import KV_FORMAT_HELP, BudgetOption, ModelArgument, ProfileOption, check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import (
+    BudgetOption, KvFormatOption, MinKeptOption, ModelArgument, ProfileOption, check_choice, choose_cache_profile,
+)
 from kvtool.units import human_bytes
 
 if TYPE_CHECKING:  # heavy imports stay out of `kvtool --help`
@@ -103,15 +105,8 @@ def generate_command(
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling.")] = None,
     budget: BudgetOption = None,
     profile: ProfileOption = None,
-    min_kept: Annotated[
-        int,
-        typer.Option(
-            "--min-kept", min=0,
-            help="Entries every compressing layer keeps at least (all of a shorter prompt): short prompts at a "
-            "small budget leave some layers a handful of entries. 0 (default): the budget alone.",
-        ),
-    ] = 0,
-    kv_format: Annotated[str | None, typer.Option("--kv-format", help=KV_FORMAT_HELP)] = None,
+    min_kept: MinKeptOption = 0,
+    kv_format: KvFormatOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead.")] = False,
 ) -> None:
     """Generate continuations for PROMPTs as one batch; report timing and KV-cache bytes."""
@@ -123,7 +118,7 @@ def generate_command(
     from kvtool.runtime.generate import generate
 
     check_prompts(prompts)  # before the slow model load
-    check_choice(budget, profile)
+    check_choice(budget, profile, kv_format)
     loaded = load_model(model)
     chosen = choose_cache_profile(loaded, budget, profile, kv_format)
     handle = None

@@ -35,14 +35,28 @@ BudgetOption = Annotated[
 ProfileOption = Annotated[
     Path | None, typer.Option(help="Profile YAML from `kvtool calibrate` (with --budget: re-derived for it).")
 ]
+KvFormatOption = Annotated[str | None, typer.Option("--kv-format", help=KV_FORMAT_HELP)]
+MinKeptOption = Annotated[
+    int,
+    typer.Option(
+        "--min-kept", min=0,
+        help="Entries every compressing layer keeps at least (all of a shorter prompt): short prompts at a "
+        "small budget leave some layers a handful of entries. 0 (default): the budget alone.",
+    ),
+]
 
 
-def check_choice(budget: float | None, profile_path: Path | None) -> None:
+def check_choice(budget: float | None, profile_path: Path | None, kv_format: str | None = None) -> None:
     """The cheap checks, before any model is loaded."""
     if budget is not None:
         check_budget(budget)
     if profile_path is not None and not profile_path.is_file():
         raise KvtoolError(f"profile file not found: {profile_path}")
+    if kv_format is not None:
+        from kvtool.runtime.precision import KVStorage
+
+        if KVStorage.parse(kv_format).quantized and budget is None and profile_path is None:
+            raise KvtoolError("--kv-format needs --budget or --profile (the full cache keeps the model's own precision)")
 
 
 def choose_cache_profile(
@@ -62,11 +76,9 @@ def choose_cache_profile(
     from kvtool.runtime import load_profile
     from kvtool.runtime.precision import KVStorage, at_storage, entries_for
 
-    check_choice(budget, profile_path)
+    check_choice(budget, profile_path, kv_format)
     storage = None if kv_format is None else KVStorage.parse(kv_format)
     if budget is None and profile_path is None:
-        if storage is not None and storage.quantized:
-            raise KvtoolError("--kv-format needs --budget or --profile (the full cache keeps the model's own precision)")
         return None
     if budget is None:
         profile = load_profile(profile_path)

@@ -7,7 +7,9 @@ from typing import Annotated
 import typer
 
 from kvtool.cli.app import app
-from kvtool.cli.profile_choice import BudgetOption, ModelArgument, ProfileOption, check_choice, choose_cache_profile
+from kvtool.cli.profile_choice import (
+    BudgetOption, KvFormatOption, MinKeptOption, ModelArgument, ProfileOption, check_choice, choose_cache_profile,
+)
 from kvtool.errors import KvtoolError
 
 
@@ -16,6 +18,8 @@ def serve_command(
     model: ModelArgument,
     budget: BudgetOption = None,
     profile: ProfileOption = None,
+    kv_format: KvFormatOption = None,
+    min_kept: MinKeptOption = 0,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     kv_memory: Annotated[
@@ -29,7 +33,7 @@ def serve_command(
     from kvtool.serve.admission import parse_size
 
     capacity = None if kv_memory is None else parse_size(kv_memory)  # before the slow model load
-    check_choice(budget, profile)
+    check_choice(budget, profile, kv_format)
     import uvicorn
 
     from kvtool.models import load_model
@@ -39,8 +43,8 @@ def serve_command(
     loaded = load_model(model)
     if loaded.processor is not None:
         raise KvtoolError("kvtool serve takes text models (this one reads images)")
-    chosen = choose_cache_profile(loaded, budget, profile)
-    served = ServedModel(loaded, *(chosen or (None,)))
+    chosen = choose_cache_profile(loaded, budget, profile, kv_format)
+    served = ServedModel(loaded, *(chosen or (None,)), min_kept=min_kept)
     scheduler = Scheduler(served, Ledger(capacity, max_batch))
     memory = "no KV memory limit" if capacity is None else f"KV memory {human_bytes(capacity)}"
     typer.echo(f"kvtool serve: {loaded.name} ({served.cache_note}; {memory}, at most {max_batch} at once) "

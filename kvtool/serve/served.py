@@ -47,14 +47,18 @@ class RequestCache:
 class ServedModel:
     """A loaded model switched to kvtool attention for `profile` (None: the full cache)."""
 
-    def __init__(self, loaded: Any, profile: Profile | None, cache_note: str = "full (uncompressed) cache"):
+    def __init__(
+        self, loaded: Any, profile: Profile | None, cache_note: str = "full (uncompressed) cache", *, min_kept: int = 0
+    ):
+        """`min_kept`: the floor of entries per compressing layer (`attach`'s), counted in admission."""
         self.loaded = loaded
         self.model, self.tokenizer, self.name = loaded.model, loaded.tokenizer, loaded.name
         model = self.model
         full = uniform_profile(model, 1.0)
         self.profile = profile or full
-        self.cache_note = cache_note
-        self.handle = attach(model, self.profile)
+        self.cache_note = cache_note + (f"; at least {min_kept} entries per layer" if min_kept and profile else "")
+        floor = min_kept if profile else 0
+        self.handle = attach(model, self.profile, min_kept=floor)
         self._full_plans = layer_plans(full, 0, layer_queries(model, full))
         self.compressed = profile is not None and any(
             layer.compress and layer.ratio < 1.0 or layer.window is not None for layer in profile.layers
@@ -65,7 +69,7 @@ class ServedModel:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         # Prompts shorter than this keep every entry, as `kvtool generate` leaves them (runtime.memory).
         self.short_tokens = SHORT_PROMPT_SHARE * weights / kv_bytes_per_token(model)
-        plans = layer_plans(self.profile, 0, layer_queries(model, self.profile))  # what bare_cache's layers follow
+        plans = layer_plans(self.profile, floor, layer_queries(model, self.profile))  # what bare_cache's layers follow
         self.compressed_cache = RequestCache(
             self.handle.bare_cache, self.profile.method.draft, self._footprint(plans), splittable(self.handle.bare_cache())
         )
