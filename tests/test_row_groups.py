@@ -87,7 +87,7 @@ def test_rows_at_a_time_refuse_what_they_cannot_split(model) -> None:
 def test_a_draft_on_a_cpu_splits_the_batch_so_the_held_prompt_fits_under_the_full_cache(model, batch, kept, want) -> None:
     with attach(model, uniform_profile(model, kept, SHIPPED)) as handle:
         cache = handle.bare_cache()
-        rows = rows_at_once(batch, Draft(4), cache, torch.device("cpu"))
+        rows = rows_at_once(batch, Draft(4), cache, model)
         assert rows == want
         groups = -(-batch // rows)
         # The largest group's held prompt beside every row's compressed cache, in rows' worth of a
@@ -95,19 +95,43 @@ def test_a_draft_on_a_cpu_splits_the_batch_so_the_held_prompt_fits_under_the_ful
         assert rows + kept * batch <= batch or rows == 1
         if groups > 1:  # no more groups than that takes: one fewer would not fit
             assert -(-batch // (groups - 1)) + kept * batch > batch
-        assert rows_at_once(batch, None, cache, torch.device("cpu")) == batch  # nothing held: all at once
-        assert rows_at_once(batch, Draft(4), cache, torch.device("cpu"), extras=True) == batch
+        assert rows_at_once(batch, None, cache, model) == batch  # nothing held: all at once
+        assert rows_at_once(batch, Draft(4), cache, model, extras=True) == batch
 
 
-def test_a_cache_with_a_layer_that_keeps_everything_runs_the_batch_at_once(model) -> None:
-    """Its groups could not be joined (`CompressingLayer.stacked` joins compressed layers only)."""
-    from tiny_models import profile_with
+def _shipped_with(model, ratios: list[float], storage: tuple[str, str] | None):
+    """The shipped rules at per-layer `ratios`, every layer stored as `storage` (None: native)."""
+    import dataclasses
 
-    for ratios, want in (([0.2, 1.0, 0.2], 4), ([1.0] * 3, 4), ([0.2] * 3, 2)):
-        with attach(model, profile_with(model, ratios)) as handle:
-            assert rows_at_once(4, Draft(4), handle.bare_cache(), torch.device("cpu")) == want
-            ready = prepare(model, Prompt.of(left_pad(prompts([30, 26, 33, 28], seed=2))), handle.bare_cache, Draft(4))
-            assert ready.first_logits.shape[0] == 4
+    base = uniform_profile(model, 1.0, SHIPPED)
+    keys, values = storage or ("native", "native")
+    return dataclasses.replace(base, native_bytes=model.dtype.itemsize, layers=tuple(
+        dataclasses.replace(layer, ratio=r, keys_format=keys, values_format=values) for layer, r in zip(base.layers, ratios)
+    ))
+
+
+@pytest.mark.parametrize(
+    ("ratios", "storage", "want"),
+    [([0.2, 1.0, 0.2], None, 2), ([1.0] * 3, None, 1), ([0.2] * 3, None, 2), ([0.2, 1.0, 0.2], ("int8", "int8"), 2),
+     ([1.0] * 3, ("int8", "int4"), 2)],
+    ids=["one-whole", "all-whole", "none-whole", "one-whole-int8", "all-whole-int8/int4"],
+)
+def test_a_layer_that_keeps_everything_counts_its_bytes_and_its_rows_join(model, ratios, storage, want) -> None:
+    """A layer at ratio 1.0 (every entry kept, native or quantized) joins the other groups' rows;
+    the groups are sized by the bytes the layers keep, and each row decodes what the batch gives it."""
+    profile = _shipped_with(model, ratios, storage)
+    prompt = Prompt.of(left_pad(prompts([30, 26, 33, 28], seed=2)))
+    draft = Draft(4, rounds=2, verify=True)
+    with attach(model, profile) as handle:
+        assert rows_at_once(4, Draft(4), handle.bare_cache(), model) == want
+        whole_tokens, whole = _run(model, handle.bare_cache, prompt, draft, 4)
+        for rows in sorted({1, 2, want}):
+            tokens, grouped = _run(model, handle.bare_cache, prompt, draft, rows)
+            assert torch.equal(tokens, whole_tokens)
+            torch.testing.assert_close(grouped.first_logits, whole.first_logits)
+            for a, b in zip(whole.cache.layers, grouped.cache.layers):
+                assert np.array_equal(a.kept, b.kept) and a.seen == b.seen and a.packed == b.packed
+                assert a.storage.names == b.storage.names and a.keys.dtype == b.keys.dtype
 
 
 def test_held_prompts_in_host_memory_run_the_batch_at_once(model, monkeypatch) -> None:
@@ -115,7 +139,7 @@ def test_held_prompts_in_host_memory_run_the_batch_at_once(model, monkeypatch) -
 
     monkeypatch.setattr(held_prompt, "held_on_host", lambda device: True)
     with attach(model, uniform_profile(model, 0.2, SHIPPED)) as handle:
-        assert rows_at_once(4, Draft(4), handle.bare_cache(), torch.device("cpu")) == 4
+        assert rows_at_once(4, Draft(4), handle.bare_cache(), model) == 4
 
 
 def test_the_default_prompt_phase_with_a_draft_is_the_batch_run_rows_at_a_time(model, monkeypatch) -> None:
@@ -136,27 +160,31 @@ def test_the_default_prompt_phase_with_a_draft_is_the_batch_run_rows_at_a_time(m
         assert np.array_equal(a.kept, b.kept)
 
 
-def test_the_default_prompt_phase_with_a_draft_holds_no_more_tensor_memory_than_the_full_cache() -> None:
+@pytest.mark.parametrize("whole_int8", [False, True], ids=["uniform-0.2", "half-the-layers-whole-at-int8"])
+def test_the_default_prompt_phase_with_a_draft_holds_no_more_tensor_memory_than_the_full_cache(whole_int8) -> None:
     """What a prompt phase has allocated at its most (`bench.peak.track_tensor_peak`, exact bytes):
     a draft's held prompt beside the compressed cache is above the full cache's for the whole batch
-    at once, and the default's row groups bring it under."""
+    at once, and the default's row groups bring it under; so do they for a calibrated-precision
+    profile whose layers keep every entry at 8 bits."""
     from kvtool.bench.peak import track_tensor_peak
     from kvtool.runtime.steps import prompt_forward
 
     model = tiny_llama(dtype=torch.float32, layers=6, seed=3)
     prompt = Prompt.of(left_pad(prompts([160, 150, 170, 165], seed=8)))
     cpu = torch.device("cpu")
+    profile = (_shipped_with(model, [0.2, 1.0] * 3, ("int8", "int8")) if whole_int8
+               else uniform_profile(model, 0.2, SHIPPED))
     peaks = {}
     with torch.inference_mode():
         with track_tensor_peak(cpu) as full:
             prompt_forward(model, prompt, DynamicCache(config=model.config))
-        with attach(model, uniform_profile(model, 0.2, SHIPPED)) as handle:
+        with attach(model, profile) as handle:
             for rows in (4, None):
                 with track_tensor_peak(cpu) as peak:
                     ready = prepare(model, prompt, handle.bare_cache, Draft(8, rounds=2, verify=True), rows=rows)
                 peaks[rows] = peak.bytes
                 del ready
-            assert rows_at_once(4, Draft(8), handle.bare_cache(), cpu) == 2
+            assert rows_at_once(4, Draft(8), handle.bare_cache(), model) == 2
     assert peaks[None] <= full.bytes < peaks[4]
 
 

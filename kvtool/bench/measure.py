@@ -318,7 +318,7 @@ def run_bench(
         expected = (config.batch, config.prompt_tokens)
         raise KvtoolError(f"prompt ids have shape {tuple(ids.shape)}, expected {expected}")
     with attach(model, profile) as handle:  # refuses a profile made for another model before any run
-        rows = rows_at_once(config.batch, capped(profile.method.draft, config.new_tokens), handle.bare_cache(), ids.device)
+        rows = rows_at_once(config.batch, capped(profile.method.draft, config.new_tokens), handle.bare_cache(), model)
     plans = layer_plans(profile)
 
     def plain_cache() -> Any:

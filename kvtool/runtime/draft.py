@@ -209,7 +209,7 @@ def prepare(
     batch = prompt.input_ids.shape[0]
     cache = make_cache()
     if rows is None:
-        rows = rows_at_once(batch, draft, cache, model.device, bool(prompt.extras))
+        rows = rows_at_once(batch, draft, cache, model, bool(prompt.extras))
     if rows >= batch:
         return _prepare(model, prompt, cache, make_cache, draft, part or contextlib.nullcontext)
     check_rows(rows, bool(prompt.extras))

@@ -55,6 +55,7 @@ class RowStacking:
         layer.seen, layer._prompt_columns = first.seen, first._prompt_columns
         layer.tokens = np.concatenate([p.tokens for p in parts])
         layer.kept = np.concatenate([p.kept for p in parts])
-        layer.compressed, layer.per_head, layer.packed = True, first.per_head, True
+        # A layer that kept its whole left-padded prompt is not packed (slots.py), nor is its join.
+        layer.compressed, layer.per_head, layer.packed = True, first.per_head, all(p.packed for p in parts)
         layer._any_frozen = any(p._any_frozen for p in parts)
         return layer
