@@ -186,6 +186,59 @@ def test_calibration_chooses_storage_per_layer_within_the_bytes(calibrated, tmp_
         (l.ratio, l.keys_format, l.values_format) for l in profile.layers]
 
 
+def test_the_storage_stage_measures_the_recipe_at_each_format_and_ships_what_the_held_out_prompts_confirm(calibrated, tmp_path):
+    """`calibration.storages`: the search's own profile and the recipe with every layer at int8 and at
+    int4, each at the same bytes; the lowest PPL on the prompts that chose ships where the held-out
+    prompts find it no worse than the search's own, and the profile holds exactly that storage."""
+    from kvtool.calibration.storage import AS_SEARCHED
+
+    tiny, profile = calibrated
+    trials = profile.calibration.storages
+    assert [t.storage for t in trials] == [AS_SEARCHED, "int8", "int4"]
+    assert sum(bool(t.shipped) for t in trials) == 1
+    best = min(trials, key=lambda t: t.ppl)
+    searched = trials[0]
+    shipped = next(t for t in trials if t.shipped)
+    if searched.held_out_ppl is None:  # every prompt chose (no search, no held-out half): the lowest ships
+        assert shipped is best and all(t.held_out_ppl is None for t in trials)
+    else:
+        assert shipped is (best if best.held_out_ppl <= searched.held_out_ppl else searched)
+    assert profile.calibration.ppl_compressed == shipped.ppl
+    if shipped.storage != AS_SEARCHED:
+        formats = {(l.keys_format, l.values_format) for l in profile.layers if l.compress}
+        assert formats == {(shipped.storage, shipped.storage)}
+    assert byte_share(profile) <= 0.2 + 1e-9
+    again = read_profile(save_profile(profile, tmp_path / "s.yaml"))
+    assert again.calibration.storages == trials
+
+
+@pytest.mark.parametrize(("held_out", "ships"), [((2.0, 1.9), "int8"), ((2.0, 2.1), "as searched")], ids=["confirmed", "rejected"])
+def test_the_storage_stage_ships_a_format_only_where_the_held_out_prompts_confirm_it(monkeypatch, held_out, ships) -> None:
+    from kvtool.calibration import storage as stage
+    from kvtool.runtime import uniform_profile
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(dtype=torch.float32)
+    searched = uniform_profile(model, 0.2)
+    # Choosing: as searched, int8, int4; held out (as searched, int8), measured int8 first.
+    measured = iter([[3.0, 2.5, 2.8], list(held_out)])
+    seen = []
+
+    def fake_ppls(model, profiles, states, on_step):
+        seen.append([{(l.keys_format, l.values_format) for l in p.layers if l.compress} for p in profiles])
+        return next(measured)[::-1] if len(profiles) == 2 else next(measured)
+
+    monkeypatch.setattr(stage, "recipe_ppls", fake_ppls)
+    monkeypatch.setattr(stage, "reference_steps", lambda states: 1)
+    storages = [KVStorage.parse("int8"), KVStorage.parse("int4")]
+    choice = stage.choose_storage(model, searched, storages, 0.2, ["choosing"], ["held out"], lambda *a: None)
+    assert seen[0] == [{("native", "native")}, {("int8", "int8")}, {("int4", "int4")}]
+    assert seen[1] == [{("int8", "int8")}, {("native", "native")}]  # the best on the prompts that chose, against the search's own
+    assert choice.shipped == ships and [t.storage for t in choice.trials if t.shipped] == [ships]
+    assert choice.profile is searched if ships == "as searched" else byte_share(choice.profile) == pytest.approx(0.2, abs=0.01)
+    assert [t.held_out_ppl for t in choice.trials] == [held_out[0], held_out[1], None]
+
+
 @torch.no_grad()
 def test_the_calibrated_cache_holds_its_bytes(calibrated):
     tiny, profile = calibrated

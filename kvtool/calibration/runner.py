@@ -35,6 +35,7 @@ from kvtool.calibration.recipes import seed_recipes, stage_options
 from kvtool.calibration.statistics import ImportanceStats, kept_image_share
 from kvtool.calibration.truncation import TruncationResult
 from kvtool.calibration.search import ChosenRecipe, choose_recipe
+from kvtool.calibration.storage import AS_SEARCHED, choose_storage
 from kvtool.calibration.windows import WindowChoice, choose_windows
 from kvtool.data import Record, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.data.long_prompts import long_prompts
@@ -298,6 +299,10 @@ def calibrate(
         profile = with_method(profile, merge=search.merge, truncation_distance=truncation.best)
     else:
         profile = profile_for(method)
+    stored = None
+    if storages and with_references:  # bytes spent on every layer at one format, against the search's own
+        stored = choose_storage(loaded.model, profile, storages, budget, measured.states[:split], measured.states[split:], report)
+        profile = stored.profile
     windows = None
     if hybrid:
         windows = choose_windows(
@@ -314,6 +319,14 @@ def calibrate(
     shipped = allocated["measured" if profile.method.ratios == "measured" else source]
     allocation = shipped.allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
+    if stored is not None:
+        picked = next(t for t in stored.trials if t.storage == stored.shipped)
+        # A format's entries were re-derived to the bytes (`precision.at_storage`): the search's level is not theirs.
+        switched = stored.shipped != AS_SEARCHED
+        profile = replace(profile, calibration=replace(
+            profile.calibration, storages=stored.trials, ppl_compressed=picked.ppl,
+            retention_p=None if switched else profile.calibration.retention_p,
+        ))
     profile = replace(profile, calibration=replace(
         profile.calibration, prompt_overhead=round(costs[-1].ratio, 3), max_prompt_overhead=config.max_prompt_overhead,
         window_ppl=windows.ppl if windows is not None and windows.ppl else None,

@@ -285,7 +285,7 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
 
         facts.add_row("Budget", whole_cache_phrase(profile))
     else:
-        facts.add_row("Budget", f"keeps {profile.budget:.1%} of KV entries, mean kept ratio {_mean_ratio(profile):.4f}")
+        facts.add_row("Budget", f"keeps {profile.budget:.1%} of the KV cache's bytes, mean kept ratio of entries {_mean_ratio(profile):.4f}")
     if profile.method.ratios == "measured":
         facts.add_row("Ratios", f"from each layer's measured loss on {len(result.losses.deltas)} prompts (the Loss column of `kvtool inspect gini`)")
     else:
@@ -317,6 +317,10 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
             f"entries each sliding layer keeps, PPL on the prompts that chose: {tried}"
             + (f"; held out: {held}" if held else ""),
         )
+    if info is not None and info.storages:
+        from kvtool.cli.inspect_cmd import storage_phrase
+
+        facts.add_row("Storage", storage_phrase(info))
     facts.add_row("Time", f"{result.seconds:.1f} s")
     if result.path is not None:
         facts.add_row("Profile", Text(str(result.path)))

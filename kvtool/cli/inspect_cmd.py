@@ -176,6 +176,8 @@ def _calibration_rows(info: CalibrationInfo) -> list[tuple[str, str]]:
         if info.held_out_ppl_full is not None:
             held += f" (full cache PPL there {info.held_out_ppl_full:.3f})"
         rows.append(("Recipe search", f"{len(info.recipes or ())} recipes tried on {info.chosen_on} prompts{held}"))
+    if info.storages:
+        rows.append(("Storage stage", storage_phrase(info)))
     if info.window_ppl:
         tried = ", ".join(f"{w}: {ppl:.3f}" for w, ppl in info.window_ppl.items())
         rows.append(("Window PPL", f"sliding-layer window (entries) tried: {tried}"))
@@ -289,3 +291,13 @@ def recipe_table(profile) -> Table:
             style="bold green" if chosen else None,
         )
     return table
+
+
+def storage_phrase(info) -> str:
+    """The storage stage's PPLs (`calibration.storage`) and what shipped, in one line."""
+    shipped = next((t.storage for t in info.storages if t.shipped), "?")
+    tried = "; ".join(
+        f"{t.storage} {t.ppl:.3f}" + (f" (held out {t.held_out_ppl:.3f})" if t.held_out_ppl is not None else "")
+        for t in info.storages
+    )
+    return f"the recipe at the same bytes, PPL on the prompts that chose: {tried}; shipped: {shipped}"

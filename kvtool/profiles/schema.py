@@ -240,6 +240,18 @@ class RecipeTrial:
     drafted_held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
 
 
+@dataclass(frozen=True)
+class StorageTrial:
+    """The shipped recipe measured by calibration's storage stage (`kvtool.calibration.storage`) at
+    one storage, at the same bytes: `as searched` is the recipe search's own profile, a format name
+    every layer storing that format with its entries re-derived to the budget's bytes."""
+
+    storage: str
+    ppl: float = field(metadata=rule(low=0, open_low=True))  # on the prompts that choose
+    held_out_ppl: float | None = field(default=None, metadata=rule(low=0, open_low=True, omit_none=True))
+    shipped: bool | None = field(default=None, metadata=rule(omit_none=True))  # True on the one the profile holds
+
+
 # The serving engines a profile can record an engine-servable recipe for (kvtool.export holds how each
 # is spoken to; kvtool.calibration.engine searches what each can serve).
 ENGINES = ("vllm", "trtllm")
@@ -319,6 +331,8 @@ class CalibrationInfo:
     fell_back: bool | None = field(default=None, metadata=rule(omit_none=True))
     # The engine-servable recipe `kvtool calibrate --engine` searched, with its measured PPL; left out otherwise.
     engine: EngineRecipe | None = field(default=None, metadata=rule(omit_none=True))
+    # `kvtool calibrate --kv-formats`: the storage stage's candidates, the shipped one among them; left out otherwise.
+    storages: tuple[StorageTrial, ...] | None = field(default=None, metadata=rule(omit_none=True))
 
 
 @dataclass(frozen=True)
