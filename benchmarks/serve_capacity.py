@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", nargs="?", default="smollm2")
     parser.add_argument("--budget", type=float, default=0.2, help="the compressed server's budget")
     parser.add_argument("--profile", help="the compressed server's profile file (instead of --budget)")
+    parser.add_argument("--kv-format", help="the compressed server's storage of kept entries (kvtool serve --kv-format)")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--clients", type=int, default=16)
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     requests = long_prompts(loaded.tokenizer, args.prompt_tokens, args.requests).tolist()
     del loaded
     compressed = ["--profile", args.profile] if args.profile else ["--budget", str(args.budget)]
+    if args.kv_format:
+        compressed += ["--kv-format", args.kv_format]
     rows = {}
     for name, cache in (("full cache", ["--budget", "1.0"]), ("compressed", compressed)):
         server = Server(args.model, cache, kv_memory, args.max_batch)
