@@ -273,13 +273,31 @@ def test_bad_precision_requests_are_one_line_errors():
     from kvtool.calibration.runner import calibrate
 
     cases = [
-        (tiny_gemma3(dtype=torch.float32), {"kv_formats": ("int8",), "method": MethodSettings(ratios="measured")}, "sliding-window"),
+        (tiny_llama(dtype=torch.float32), {"kv_formats": ("int8",), "candidates": ()}, "makes none"),
         (tiny_llama(dtype=torch.float32), {"kv_formats": ("int4-g32",), "method": MethodSettings(ratios="measured")}, "int4-g32"),
         (tiny_llama(dtype=torch.float32), {"kv_formats": ("int9",)}, "int9"),
     ]
     from test_calibrate import loaded
 
     for model, settings, words in cases:
+        settings = {"candidates": (0,), **settings}
         with pytest.raises(KvtoolError, match=words) as raised:
-            calibrate(loaded(model), 0.3, data=word_prompts(4), samples=3, reference_tokens=4, candidates=(0,), search=None, **settings)
+            calibrate(loaded(model), 0.3, data=word_prompts(4), samples=3, reference_tokens=4, search=None, **settings)
         assert "\n" not in str(raised.value)
+
+
+def test_a_hybrid_model_gets_the_storage_stage_under_its_whole_cache_budget():
+    """Gemma 3's layout: no per-layer storage choice (its sliding layers have no measured loss), but
+    the shipped recipe is measured at each format with windows and global layers re-spent at the
+    whole cache's bytes; what ships stays within them."""
+    from kvtool.calibration.runner import calibrate
+    from kvtool.calibration.storage import AS_SEARCHED
+    from kvtool.profiles import whole_cache
+    from test_calibrate import loaded
+
+    model = tiny_gemma3(dtype=torch.float32)
+    run = calibrate(loaded(model), 0.5, data=word_prompts(6), samples=4, seed=1, reference_tokens=4, candidates=(0,),
+                    search=None, kv_formats=("int8",), max_prompt_overhead=None, budget_tokens=64)
+    trials = run.profile.calibration.storages
+    assert [t.storage for t in trials] == [AS_SEARCHED, "int8"] and sum(bool(t.shipped) for t in trials) == 1
+    assert whole_cache.shares(run.profile, 64)["all"] <= 0.5 + 0.01

@@ -195,11 +195,11 @@ def calibrate(
         space = replace(space, ratio_sources=tuple(r for r in space.ratio_sources if r != "measured") or (method.ratios,))
     by_measured_loss = method.ratios == "measured" or (space is not None and "measured" in space.ratio_sources)
     storages = [KVStorage.parse(f) for f in config.kv_formats if KVStorage.parse(f).quantized]
-    if storages and (hybrid or not by_measured_loss):
-        raise KvtoolError(
-            "--kv-formats: precision is chosen per layer by the measured ratio source on models without sliding-window layers"
-            + (" (this one has them)" if hybrid else "; this run does not measure layer losses")
-        )
+    if storages and not config.candidates:
+        raise KvtoolError("--kv-formats: the storage stage measures the recipe on references, and this run makes none")
+    # Each layer's storage by its measured loss where layer losses are measured (models without
+    # sliding layers); every model also gets the storage stage (`calibration.storage`).
+    per_layer = storages if by_measured_loss and not hybrid else []
     for storage in storages:
         check_storage(storage, fingerprint_of(loaded.model).head_dim, "--kv-formats")
     notes = []
@@ -250,10 +250,10 @@ def calibrate(
     if by_measured_loss:
         losses = measure_layer_losses(
             loaded.model, measured.states[:split], method, importance.layers, tokens=config.layer_loss_tokens, progress=report,
-            storages=[(s.keys, s.values) for s in storages],
+            storages=[(s.keys, s.values) for s in per_layer],
         )
         allocated["measured"] = (
-            by_bytes(losses, budget, fingerprint.head_dim, native_bytes(loaded.model)) if storages else by_loss(losses, budget)
+            by_bytes(losses, budget, fingerprint.head_dim, native_bytes(loaded.model)) if per_layer else by_loss(losses, budget)
         )
 
     def curves_of(settings: MethodSettings) -> str:
@@ -299,16 +299,16 @@ def calibrate(
         profile = with_method(profile, merge=search.merge, truncation_distance=truncation.best)
     else:
         profile = profile_for(method)
-    stored = None
-    if storages and with_references:  # bytes spent on every layer at one format, against the search's own
-        stored = choose_storage(loaded.model, profile, storages, budget, measured.states[:split], measured.states[split:], report)
-        profile = stored.profile
     windows = None
     if hybrid:
         windows = choose_windows(
             loaded.model, profile, budget, config.budget_tokens, measured.states[:split], measured.states[split:], report
         )
         profile = windows.profile
+    stored = None
+    if storages:  # the bytes spent on every layer at one format, against the search's own profile
+        stored = choose_storage(loaded.model, profile, storages, budget, measured.states[:split], measured.states[split:], report)
+        profile = stored.profile
     # The prompt phase the profile will cost, on the last batch (the held-out prompts where there are
     # two halves); a draft over the limit gives way to the next cheaper one that fits.
     costs = affordable_draft(loaded.model, profile, batches[-1:], config.max_prompt_overhead, progress=report)
