@@ -30,7 +30,7 @@ def _served(budget: float | None, draft: Draft | None = None) -> ServedModel:
 
 
 def _run_staggered(served: ServedModel, monkeypatch, requests=REQUESTS, prompt_rows: list | None = None,
-                   **job) -> tuple[list[Run], list[int]]:
+                   ledger: Ledger | None = None, **job) -> tuple[list[Run], list[int]]:
     """Runs `requests` through one scheduler, each submitted from inside the decode step at which it
     arrives; returns the runs and the batch size of every decode step (`prompt_rows`, if given,
     gets the rows of every prompt phase)."""
@@ -44,7 +44,7 @@ def _run_staggered(served: ServedModel, monkeypatch, requests=REQUESTS, prompt_r
             return prepared(model, prompt, *args, **kwargs)
 
         monkeypatch.setattr(scheduler_module, "prepare", counting_prepare)
-    scheduler = Scheduler(served, Ledger(None, 16))
+    scheduler = Scheduler(served, ledger or Ledger(None, 16))
     runs = [Run(Job(ids=prompt_ids(served.tokenizer, words, seed=i), max_tokens=limit, **job))
             for i, (words, limit, _) in enumerate(requests)]
 
@@ -224,6 +224,75 @@ def test_the_ledger_admits_while_bytes_and_rows_fit() -> None:
     ledger.release(1)
     assert ledger.reserved == 400 and ledger.rows == 1
     assert Ledger(capacity=None, max_rows=1).admit(1, 10**15)
+
+
+def test_the_ledger_keeps_room_for_the_prompt_phases_still_to_run() -> None:
+    ledger = Ledger(capacity=1000, max_rows=8)
+    assert ledger.admit(1, 300, prompt=400)
+    assert not ledger.admit(2, 301)  # 300 + 301 + the 400 kept for request 1's prompt phase > 1000
+    assert ledger.admit(2, 300)
+    assert ledger.room == 400
+    ledger.started(1)  # its prompt phase is over: its room goes, its cache's bytes stay
+    assert ledger.admit(3, 400) and ledger.reserved == 1000
+    assert not ledger.admit(4, 0, prompt=1)
+    ledger.release(3)
+    assert not ledger.admit(4, 100, prompt=301) and ledger.admit(4, 100, prompt=300)
+
+
+def test_a_prompt_phase_reserves_the_prompt_it_holds() -> None:
+    """Without a draft a compressing layer holds its whole prompt only until it compresses it (one
+    layer at a time); a draft holds every layer's, and the draft's rows, until its last round; the full
+    cache keeps its prompt as written, which its own reservation already counts."""
+    from kvtool.runtime.memory import kv_bytes_per_token
+
+    loaded = tiny_loaded()
+    draft = Draft(tokens=6, rounds=2, verify=True)
+    per_token = kv_bytes_per_token(loaded.model)
+    layers = loaded.model.config.num_hidden_layers
+    kinds = {name: ServedModel(loaded, profile_with(loaded.model, 0.2, draft=d), "test") for name, d in (("plain", None), ("draft", draft))}
+    full = ServedModel(loaded, None)
+    try:
+        assert kinds["plain"].prompt_bytes(100, 10) == 100 * per_token // layers
+        assert kinds["draft"].prompt_bytes(100, 10) == (100 + 6) * per_token
+        assert kinds["draft"].prompt_bytes(100, 3) == (100 + 3) * per_token  # the draft capped by max_tokens
+        assert kinds["draft"].compressed_cache.prompt_bytes(3, 100) == 3 * (100 + 6) * per_token
+        assert full.prompt_bytes(100, 10) == 0
+    finally:
+        for served in (*kinds.values(), full):
+            served.close()
+
+
+@pytest.mark.parametrize("draft", [None, Draft(tokens=6, rounds=2, verify=True)], ids=["no-draft", "draft"])
+def test_under_tight_memory_prompt_phases_run_as_their_room_allows(monkeypatch, draft) -> None:
+    """--kv-memory with room for every cache but one prompt phase at a time: the compressed prompts
+    arriving together run one by one (not as one batch of four), every request is answered, and
+    each equals what it gets alone."""
+    served = _served(0.5, draft)
+    try:
+        jobs = [(prompt_ids(served.tokenizer, words, seed=i), limit) for i, (words, limit, _) in enumerate(TOGETHER)]
+        needs = [served.projected_bytes(len(ids), limit) for ids, limit in jobs]
+        prompts = [served.prompt_bytes(len(ids), limit) for ids, limit in jobs]
+        ledger = Ledger(sum(needs) + max(prompts), 16)
+        shapes: list[tuple[int, int]] = []
+        prepared = scheduler_module.prepare
+
+        def checking_prepare(model, prompt, make, chosen_draft, *args, **kwargs):
+            if make is not served.full_cache.make:
+                rows, width = prompt.input_ids.shape
+                shapes.append((rows, width))
+                held = served.compressed_cache.footprint.prompt_phase(
+                    rows, width + (chosen_draft.tokens if chosen_draft else 0), held=chosen_draft is not None)
+                assert ledger.reserved + held <= ledger.capacity, (rows, width)
+            return prepared(model, prompt, make, chosen_draft, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler_module, "prepare", checking_prepare)
+        runs, _ = _run_staggered(served, monkeypatch, TOGETHER, ledger=ledger, temperature=0.0)
+        # Six compressed requests, the four arriving together no longer as one batch (they are with
+        # no memory limit: [1, 4, 2, 1] above).
+        assert sum(rows for rows, _ in shapes) == 6 and len(shapes) > 3, shapes
+        _check_each_alone(served, runs)
+    finally:
+        served.close()
 
 
 def test_sizes_read_as_bytes() -> None:

@@ -12,10 +12,13 @@ The projection (`KvFootprint.projected`) counts, per layer, the entries the laye
 the profile leaves whole) plus the slots a layer adds when it grows (`GROWTH_SLOTS`), each entry at
 its stored bytes (keys and values, every KV head) and the per-slot bookkeeping a compressing layer
 carries. It is what the cache can grow to, so it bounds what `usage.kv_bytes` reports at the end
-(tests/test_serve_scheduler.py checks it). A prompt's forward holds its full keys and values until
-the layer compresses them (with a draft, until the last round): one group of waiting requests at a
-time, since the scheduler runs one prompt phase at once (its PROMPT_GROUP_ROWS and
-PROMPT_GROUP_TOKENS bound the group); that transient is not reserved.
+(tests/test_serve_scheduler.py checks it). A prompt phase holds more than its caches will keep: the full keys and values of its prompt until a
+layer compresses them (without a draft, one layer's at a time; with a draft, every layer's until the
+last round, `runtime.layer.held_prompt`). The scheduler runs one prompt phase at once, so the ledger
+keeps room for the largest one any admitted request still waits for (`KvFootprint.prompt_phase`): a
+request is admitted only if its bytes, every admitted request's and that room fit in `--kv-memory`,
+and a prompt phase takes only the waiting requests whose prompt-phase bytes fit beside what is
+reserved (`Ledger.room`). The oldest waiting request always fits, so nothing waits without end.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class LayerShare:
     window: int | None = None
     compressing: bool = True
     growth: int = 0
+    prompt_entry_bytes: int = 0  # an entry as the prompt forward holds it (native), in a compressing layer
+    keeps_prompt: bool = False  # it keeps the prompt's entries as the forward wrote them (ratio 1.0, native)
 
 
 @dataclass(frozen=True)
@@ -81,30 +86,54 @@ class KvFootprint:
             total += slots * (layer.entry_bytes + (SLOT_STATE_BYTES if layer.compressing else 0))
         return total
 
+    def prompt_phase(self, rows: int, tokens: int, held: bool) -> int:
+        """Bytes a prompt phase of `rows` rows of `tokens` (padded) tokens holds beyond what its caches
+        keep: every compressing layer's full prompt while a draft `held` it, else the largest layer's."""
+        if held:  # every layer holds a copy, a layer that keeps its prompt too (it goes on writing there)
+            return rows * tokens * sum(layer.prompt_entry_bytes for layer in self.layers)
+        return rows * tokens * max([0, *(layer.prompt_entry_bytes for layer in self.layers if not layer.keeps_prompt)])
+
 
 @dataclass
 class Ledger:
-    """The bytes and rows admitted requests hold (thread-safe: the HTTP side admits, the scheduler
-    releases). `capacity` None: no memory limit, only `max_rows`."""
+    """The bytes and rows admitted requests hold, and the room kept for the prompt phase of those
+    still waiting for one (thread-safe: the HTTP side admits, the scheduler starts and releases).
+    `capacity` None: no memory limit, only `max_rows`."""
 
     capacity: int | None
     max_rows: int
     _held: dict[int, int] = field(default_factory=dict)
+    _prompts: dict[int, int] = field(default_factory=dict)  # waiting requests' prompt-phase bytes
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def admit(self, key: int, need: int) -> bool:
-        """Reserve `need` bytes and a row for `key`; False when they do not fit now."""
+    def admit(self, key: int, need: int, prompt: int = 0) -> bool:
+        """Reserve `need` bytes and a row for `key`, whose prompt phase holds `prompt` bytes more for
+        a while; False when they do not fit now beside the room kept for the waiting prompt phases."""
         with self._lock:
             if len(self._held) >= self.max_rows:
                 return False
-            if self.capacity is not None and sum(self._held.values()) + need > self.capacity:
+            room_kept = max([prompt, *self._prompts.values()])
+            if self.capacity is not None and sum(self._held.values()) + need + room_kept > self.capacity:
                 return False
             self._held[key] = need
+            self._prompts[key] = prompt
             return True
+
+    def started(self, key: int) -> None:
+        """`key`'s prompt phase is over: the room kept for it goes."""
+        with self._lock:
+            self._prompts.pop(key, None)
 
     def release(self, key: int) -> None:
         with self._lock:
             self._held.pop(key, None)
+            self._prompts.pop(key, None)
+
+    @property
+    def room(self) -> float:
+        """Bytes a prompt phase may hold beside every reservation now (inf without a memory limit)."""
+        with self._lock:
+            return float("inf") if self.capacity is None else self.capacity - sum(self._held.values())
 
     @property
     def reserved(self) -> int:

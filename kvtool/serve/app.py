@@ -94,10 +94,11 @@ def build_app(scheduler: Scheduler) -> FastAPI:
         except KvtoolError as exc:
             return error(400, str(exc))
         job = Job(ids=ids, max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stops=body.stops)
-        need = scheduler.needs(job)
+        need, prompt = scheduler.needs(job)
         capacity = scheduler.ledger.capacity
-        if capacity is not None and need > capacity:
-            return error(400, f"this request needs {human_bytes(need)} of KV memory, more than the server's "
+        if capacity is not None and need + prompt > capacity:
+            during = f" ({human_bytes(need + prompt)} while its prompt is processed)" if prompt else ""
+            return error(400, f"this request needs {human_bytes(need)} of KV memory{during}, more than the server's "
                               f"--kv-memory of {human_bytes(capacity)}: shorten the prompt or max_tokens")
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()

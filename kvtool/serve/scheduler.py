@@ -103,18 +103,20 @@ class Scheduler:
     # ----- HTTP side ---------------------------------------------------------------------------
 
     def submit(self, job: Job) -> bool:
-        """Queue `job` if its KV bytes and a row fit now (False: refused, nothing held)."""
-        need = self.served.projected_bytes(len(job.ids), job.max_tokens)
+        """Queue `job` if its KV bytes, its prompt phase's and a row fit now (False: refused, nothing held)."""
+        need, prompt = self.needs(job)
         with self._wake:
-            if self._stopping or not self.ledger.admit(job.key, need):
+            if self._stopping or not self.ledger.admit(job.key, need, prompt):
                 self.counts["refused"] += 1
                 return False
             self._waiting.append(job)
             self._wake.notify()
         return True
 
-    def needs(self, job: Job) -> int:
-        return self.served.projected_bytes(len(job.ids), job.max_tokens)
+    def needs(self, job: Job) -> tuple[int, int]:
+        """The KV bytes `job`'s cache may come to hold, and what its prompt phase alone holds beyond them."""
+        served = self.served
+        return served.projected_bytes(len(job.ids), job.max_tokens), served.prompt_bytes(len(job.ids), job.max_tokens, job.temperature > 0)
 
     def status(self) -> dict[str, Any]:
         with self._wake:
@@ -154,8 +156,10 @@ class Scheduler:
 
     def _take_group(self) -> list[tuple[Job, RequestCache]]:
         """The oldest waiting request and the waiting ones after it whose prompt phase can share its
-        batch (the same cache and draft, `RequestCache.kind`), up to PROMPT_GROUP_ROWS rows and
-        PROMPT_GROUP_TOKENS padded tokens; they leave the queue (called holding the lock)."""
+        batch (the same cache and draft, `RequestCache.kind`), up to PROMPT_GROUP_ROWS rows,
+        PROMPT_GROUP_TOKENS padded tokens and the prompt-phase bytes that fit beside every reservation
+        (`Ledger.room`; the oldest alone always does, by admission); they leave the queue (called
+        holding the lock)."""
         if not self._waiting:
             return []
         oldest = self._waiting.popleft()
@@ -164,12 +168,15 @@ class Scheduler:
         if not first.shares_prompt:
             return group
         width = len(oldest.ids)
+        room = self.ledger.room
         for job in list(self._waiting):
             if len(group) >= PROMPT_GROUP_ROWS:
                 break
             chosen = self._cache_for(job)
             wider = max(width, len(job.ids))
             if chosen.kind != first.kind or wider * (len(group) + 1) > PROMPT_GROUP_TOKENS:
+                continue
+            if first.prompt_bytes(len(group) + 1, wider) > room:
                 continue
             self._waiting.remove(job)
             group.append((job, chosen))
@@ -208,6 +215,8 @@ class Scheduler:
             return
         first, prefix = ready.first_logits, ready.prefix
         del ready  # a split batch's own cache goes now: each request holds its row
+        for job in jobs:
+            self.ledger.started(job.key)
         for row, (job, cache) in enumerate(zip(jobs, caches)):
             try:
                 job.cache = cache

@@ -38,6 +38,11 @@ class RequestCache:
     footprint: KvFootprint
     shares_prompt: bool = False
 
+    def prompt_bytes(self, rows: int, tokens: int) -> int:
+        """What a prompt phase of `rows` rows padded to `tokens` holds beyond these caches (admission)."""
+        draft = self.draft
+        return self.footprint.prompt_phase(rows, tokens + (draft.tokens if draft else 0), held=draft is not None)
+
     @property
     def kind(self) -> tuple:
         """What requests whose prompt phases run as one batch must share: the cache and the draft."""
@@ -96,6 +101,10 @@ class ServedModel:
     def projected_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         return self.cache_for(prompt_tokens, max_tokens, False).footprint.projected(prompt_tokens + max_tokens)
 
+    def prompt_bytes(self, prompt_tokens: int, max_tokens: int, sampling: bool = False) -> int:
+        """What this request's prompt phase alone holds beyond its cache (`RequestCache.prompt_bytes`)."""
+        return self.cache_for(prompt_tokens, max_tokens, sampling).prompt_bytes(1, prompt_tokens)
+
     def _footprint(self, plans: list) -> KvFootprint:
         model = self.model
         text = model.config.get_text_config(decoder=True)
@@ -109,10 +118,12 @@ class ServedModel:
                 window = getattr(text, "sliding_window", None) if kind == "sliding_attention" else None
                 layers.append(LayerShare(ratio=1.0, entry_bytes=native, window=window, compressing=False))
                 continue
-            keys, values = EntryStorage(*plan.storage).entry_bytes(head_dim, itemsize)
+            storage = EntryStorage(*plan.storage)
+            keys, values = storage.entry_bytes(head_dim, itemsize)
             layers.append(LayerShare(
                 ratio=plan.ratio, entry_bytes=heads * (keys + values), floor=plan.min_kept,
                 window=None if plan.cap is None else plan.cap + 1, growth=GROWTH_SLOTS,
+                prompt_entry_bytes=native, keeps_prompt=plan.ratio >= 1.0 and plan.cap is None and not storage.quantized,
             ))
         return KvFootprint(tuple(layers))
 
