@@ -27,7 +27,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -167,12 +166,15 @@ def table(rows: dict[str, dict]) -> str:
             f"{f(r['token_latency_p50_s'] and r['token_latency_p50_s'] * 1000, '.0f')} / "
             f"{f(r['token_latency_p99_s'] and r['token_latency_p99_s'] * 1000, '.0f')} | {f(kept, '.1%')} | {r['refusals']} |"
         )
-    full, compressed = rows.get("full cache"), rows.get("compressed")
-    if full and compressed:
-        def ratio(key):
-            return compressed[key] / full[key] if full[key] and compressed[key] is not None else float("nan")
+    full = rows.get("full cache")
+    for name, other in rows.items():
+        if not full or other is full:
+            continue
+
+        def ratio(key, other=other):
+            return other[key] / full[key] if full[key] and other[key] is not None else float("nan")
         lines.append("")
-        lines.append(f"compressed / full: {ratio('concurrent_sequences'):.2f}x sequences, {ratio('requests_per_min'):.2f}x "
+        lines.append(f"{name} / full: {ratio('concurrent_sequences'):.2f}x sequences, {ratio('requests_per_min'):.2f}x "
                      f"requests per minute, TTFT p50 {ratio('ttft_p50_s'):.2f}x")
     return "\n".join(lines)
 
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", nargs="?", default="smollm2")
     parser.add_argument("--budget", type=float, default=0.2, help="the compressed server's budget")
     parser.add_argument("--profile", help="the compressed server's profile file (instead of --budget)")
+    parser.add_argument("--also-profile", action="append", default=[], type=Path, metavar="PROFILE",
+                        help="one more compressed server, with this profile (repeatable; a row named by the file)")
     parser.add_argument("--kv-format", help="the compressed server's storage of kept entries (kvtool serve --kv-format)")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -205,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.kv_format:
         compressed += ["--kv-format", args.kv_format]
     rows = {}
-    for name, cache in (("full cache", ["--budget", "1.0"]), ("compressed", compressed)):
+    arms = [("full cache", ["--budget", "1.0"]), ("compressed", compressed)]
+    arms += [(path.stem, ["--profile", str(path)]) for path in args.also_profile]
+    for name, cache in arms:
         server = Server(args.model, cache, kv_memory, args.max_batch)
         try:
             served_name = server.wait_ready()
