@@ -234,7 +234,7 @@ def test_the_storage_stage_ships_a_format_only_where_the_held_out_prompts_confir
     choice = stage.choose_storage(model, searched, storages, 0.2, ["choosing"], ["held out"], lambda *a: None)
     assert seen[0] == [{("native", "native")}, {("int8", "int8")}, {("int4", "int4")}]
     assert seen[1] == [{("int8", "int8")}, {("native", "native")}]  # the best on the prompts that chose, against the search's own
-    assert choice.shipped == ships and [t.storage for t in choice.trials if t.shipped] == [ships]
+    assert choice.shipped.storage == ships and [t.storage for t in choice.trials if t.shipped] == [ships]
     assert choice.profile is searched if ships == "as searched" else byte_share(choice.profile) == pytest.approx(0.2, abs=0.01)
     assert [t.held_out_ppl for t in choice.trials] == [held_out[0], held_out[1], None]
 

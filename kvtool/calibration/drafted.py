@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtool.calibration.passes import Progress, PromptState, _Counter, drafted_ppls, reference_steps
+from kvtool.calibration.passes import Progress, PromptState, StageCounter, drafted_ppls, reference_steps
 from kvtool.calibration.recipes import RecipeSearch, SearchSpace, recipe_key, stage_options
 from kvtool.profiles import MethodSettings, Profile
 
@@ -84,7 +84,7 @@ def draft_stage(
 ) -> DraftStage:
     """Measure `picked` and its candidates with the draft `profile_for` writes into their profiles."""
     candidates = draft_candidates(picked, search, space)
-    bar = _Counter(STAGE_DRAFT, reference_steps(choosing) * len(candidates), progress).start()
+    bar = StageCounter(STAGE_DRAFT, reference_steps(choosing) * len(candidates), progress).start()
     ppls = drafted_ppls(model, [profile_for(s) for s in candidates], choosing, bar.step)
     bar.finish()
     scored = {recipe_key(s): p for s, p in zip(candidates, ppls)}
@@ -92,7 +92,7 @@ def draft_stage(
     held_out: dict[tuple, float] = {}
     if confirming and recipe_key(best) != recipe_key(picked):
         pair = (picked, best)
-        confirm = _Counter(STAGE_DRAFT_CONFIRM, reference_steps(confirming) * len(pair), progress).start()
+        confirm = StageCounter(STAGE_DRAFT_CONFIRM, reference_steps(confirming) * len(pair), progress).start()
         held_out = dict(zip(map(recipe_key, pair), drafted_ppls(model, [profile_for(s) for s in pair], confirming, confirm.step)))
         confirm.finish()
     return DraftStage(

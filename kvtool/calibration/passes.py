@@ -50,7 +50,7 @@ def no_progress(stage: str, done: int, total: int) -> None:
 
 
 @dataclass
-class _Counter:
+class StageCounter:
     """Counts one stage's units and reports them; the first report opens the stage's bar, so it
     is made only when the stage's work begins (the bar's clock starts there)."""
 
@@ -60,7 +60,7 @@ class _Counter:
     done: int = 0
     started: bool = False
 
-    def start(self) -> "_Counter":
+    def start(self) -> "StageCounter":
         if not self.started:
             self.started = True
             self.progress(self.stage, self.done, self.total)
@@ -172,11 +172,11 @@ def full_pass(
     if queries is not None and (query_stats is not None or not with_references):
         raise KvtoolError("internal: query statistics are learned in the full pass only with references and none given")
     samples = sum(len(b.rows) for b in batches)
-    importance = _Counter(STAGE_IMPORTANCE, samples, progress).start()
+    importance = StageCounter(STAGE_IMPORTANCE, samples, progress).start()
     lengths = [reference_tokens] * len(batches) if isinstance(reference_tokens, int) else list(reference_tokens)
     if len(lengths) != len(batches):
         raise KvtoolError("internal: one reference length per batch")
-    steps = _Counter(STAGE_REFERENCES, sum(length - 1 for length in lengths), progress)
+    steps = StageCounter(STAGE_REFERENCES, sum(length - 1 for length in lengths), progress)
     parts, states, images = [], [], []
     eos = eos_token_ids(model, tokenizer)
     # The recording keeps the widest observation window any scorer asks for; shorter ones (TOVA's
@@ -252,7 +252,7 @@ def truncation_pass(
     to the profile's own D."""
     scores = TruncationScores(candidates)
     total = sum(max(state.references.steps - 1, 0) for state in states) * len(candidates)
-    steps = _Counter(stage, total, progress).start()
+    steps = StageCounter(stage, total, progress).start()
     handle = attach(model, profile)
     try:
         with torch.inference_mode():

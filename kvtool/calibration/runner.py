@@ -28,7 +28,7 @@ from kvtool.calibration.config import (
 from kvtool.calibration.cost import affordable_draft
 from kvtool.calibration.layer_loss import LayerLosses, measurable, measure_layer_losses
 from kvtool.calibration.passes import (
-    STAGE_QUERIES, Progress, _Counter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
+    STAGE_QUERIES, Progress, StageCounter, full_pass, no_progress, scorer_key, search_truncation_and_merge,
 )
 from kvtool.calibration.queries import QueryRecorder, record_query_stats
 from kvtool.calibration.recipes import seed_recipes, stage_options
@@ -235,7 +235,7 @@ def calibrate(
         if with_references:
             recorder = QueryRecorder(loaded.model)
         else:
-            counter = _Counter(STAGE_QUERIES, sum(len(b.rows) for b in batches), report).start()
+            counter = StageCounter(STAGE_QUERIES, sum(len(b.rows) for b in batches), report).start()
             queries = record_query_stats(loaded.model, batches, on_batch=counter.step)
     measured = full_pass(
         loaded.model, loaded.tokenizer, batches, answers, method,
@@ -320,9 +320,9 @@ def calibrate(
     allocation = shipped.allocation
     profile = with_calibration(profile, chosen, importance, allocation, truncation, config.seed, seconds, recipes)
     if stored is not None:
-        picked = next(t for t in stored.trials if t.storage == stored.shipped)
+        picked = stored.shipped
         # A format's entries were re-derived to the bytes (`precision.at_storage`): the search's level is not theirs.
-        switched = stored.shipped != AS_SEARCHED
+        switched = picked.storage != AS_SEARCHED
         profile = replace(profile, calibration=replace(
             profile.calibration, storages=stored.trials, ppl_compressed=picked.ppl,
             retention_p=None if switched else profile.calibration.retention_p,

@@ -13,7 +13,7 @@ from kvtool.calibration.passes import (
     STAGE_RECIPES,
     Progress,
     PromptState,
-    _Counter,
+    StageCounter,
     full_ppl,
     recipe_ppls,
     reference_steps,
@@ -85,7 +85,7 @@ def choose_recipe(
     """Search on `choosing`, then measure the finalists on `confirming`; `with_draft`, then the draft
     stage (`calibration.drafted`) on both, with the draft `profile_for` writes (only if it writes one)."""
     steps = reference_steps(choosing)
-    bar = _Counter(STAGE_RECIPES, MAX_PASSES * steps, progress).start()
+    bar = StageCounter(STAGE_RECIPES, MAX_PASSES * steps, progress).start()
 
     def measure(stage: str, recipes: Sequence[MethodSettings]) -> list[float]:
         bar.total = max(bar.total, bar.done + steps)  # a second round runs past the first's estimate
@@ -99,7 +99,7 @@ def choose_recipe(
     held_out_full = None
     if confirming:
         finalists = search.finalists()
-        confirm = _Counter(STAGE_CONFIRM, reference_steps(confirming), progress).start()
+        confirm = StageCounter(STAGE_CONFIRM, reference_steps(confirming), progress).start()
         ppls = recipe_ppls(model, [profile_for(s) for s in finalists], confirming, confirm.step)
         held_out = {recipe_key(s): ppl for s, ppl in zip(finalists, ppls)}
         confirm.finish()

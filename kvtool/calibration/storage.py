@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtool.calibration.passes import Progress, PromptState, _Counter, recipe_ppls, reference_steps
+from kvtool.calibration.passes import Progress, PromptState, StageCounter, recipe_ppls, reference_steps
 from kvtool.profiles import Profile
 from kvtool.profiles.schema import StorageTrial
 from kvtool.runtime.precision import KVStorage, at_storage
@@ -27,8 +27,12 @@ AS_SEARCHED = "as searched"  # the recipe search's own profile: its layers' form
 @dataclass(frozen=True)
 class StorageChoice:
     profile: Profile  # the one that ships
-    shipped: str  # AS_SEARCHED or a format name
-    trials: tuple[StorageTrial, ...]  # every candidate, in the order measured
+    trials: tuple[StorageTrial, ...]  # every candidate, in the order measured; the shipped one flagged
+
+    @property
+    def shipped(self) -> StorageTrial:
+        """The candidate that ships (AS_SEARCHED or a format name in its `storage`)."""
+        return next(t for t in self.trials if t.shipped)
 
 
 def choose_storage(
@@ -46,7 +50,7 @@ def choose_storage(
         if storage.quantized:
             candidates[storage.name] = at_storage(searched, storage, model, budget=budget, source="--kv-formats")
     names = list(candidates)
-    bar = _Counter(STAGE_STORAGE, reference_steps(choosing) + 2 * reference_steps(confirming), progress).start()
+    bar = StageCounter(STAGE_STORAGE, reference_steps(choosing) + 2 * reference_steps(confirming), progress).start()
     ppl = dict(zip(names, recipe_ppls(model, [candidates[n] for n in names], choosing, bar.step)))
     best = min(names, key=lambda n: (ppl[n], n != AS_SEARCHED))
     held: dict[str, float] = {}
@@ -58,4 +62,4 @@ def choose_storage(
     trials = tuple(
         StorageTrial(storage=n, ppl=ppl[n], held_out_ppl=held.get(n), shipped=True if n == shipped else None) for n in names
     )
-    return StorageChoice(profile=candidates[shipped], shipped=shipped, trials=trials)
+    return StorageChoice(profile=candidates[shipped], trials=trials)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtool.calibration.passes import Progress, PromptState, _Counter, recipe_ppls, reference_steps
+from kvtool.calibration.passes import Progress, PromptState, StageCounter, recipe_ppls, reference_steps
 from kvtool.errors import KvtoolError
 from kvtool.profiles import Profile
 from kvtool.profiles import whole_cache
@@ -72,7 +72,7 @@ def choose_windows(
         return WindowChoice(chosen, {}, {})
     windows = list(candidates)
     profiles = [replace(candidates[w], method=replace(candidates[w].method, draft=None)) for w in windows]
-    bar = _Counter(STAGE_WINDOWS, reference_steps(choosing) * len(profiles), progress).start()
+    bar = StageCounter(STAGE_WINDOWS, reference_steps(choosing) * len(profiles), progress).start()
     ppls = _side_by_side(model, profiles, choosing, bar.step)
     bar.finish()
     ppl = {w: round(float(p), 4) for w, p in zip(windows, ppls)}
@@ -80,7 +80,7 @@ def choose_windows(
     held_out = {}
     if confirming:
         pair = [best] + ([windows[0]] if windows[0] != best else [])
-        confirm = _Counter(STAGE_WINDOWS + ", held-out", reference_steps(confirming) * len(pair), progress).start()
+        confirm = StageCounter(STAGE_WINDOWS + ", held-out", reference_steps(confirming) * len(pair), progress).start()
         got = _side_by_side(model, [profiles[windows.index(w)] for w in pair], confirming, confirm.step)
         confirm.finish()
         held_out = {w: round(float(p), 4) for w, p in zip(pair, got)}

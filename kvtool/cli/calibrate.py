@@ -298,7 +298,7 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
             f"{len(result.samples)} prompts · tokens min {tokens.min} · mean {tokens.mean:.0f} · max {tokens.max}",
         )
     if result.recipes is not None:
-        add_recipe_facts(facts, result)
+        add_recipe_facts(facts, result, info)
     elif result.truncation is not None:
         facts.add_row("Truncation D", f"{result.truncation.best} (lowest calibration PPL)")
         if len(result.merge_ppl) > 1:
@@ -333,8 +333,9 @@ def render_summary(console: Console, result: CalibrationResult) -> None:
     console.print(Group(*parts))
 
 
-def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
+def add_recipe_facts(facts: Table, result: CalibrationResult, info=None) -> None:
     from kvtool.calibration.recipes import describe
+    from kvtool.calibration.storage import AS_SEARCHED
 
     chosen = result.recipes
     picked = chosen.picked
@@ -357,7 +358,9 @@ def add_recipe_facts(facts: Table, result: CalibrationResult) -> None:
     facts.add_row(
         "Calibration PPL",
         f"full {chosen.ppl_full:.3f} → {chosen.search.ppl_of(picked):.3f} (papers' recipe "
-        f"{chosen.search.ppl_of(chosen.search.start):.3f}) over {chosen.tokens} reference tokens",
+        f"{chosen.search.ppl_of(chosen.search.start):.3f}) over {chosen.tokens} reference tokens"
+        + "".join(f"; shipped at {t.storage}: {t.ppl:.3f}" for t in (info.storages if info else ()) or ()
+                  if t.shipped and t.storage != AS_SEARCHED),
     )
     if chosen.held_out:
         from kvtool.calibration.recipes import recipe_key

@@ -32,4 +32,8 @@ class Int8Format(StorageFormat):
         return Stored(codes, scale)
 
     def decode(self, stored: Stored, dtype: torch.dtype) -> Tensor:
-        return (stored.payload.float() * stored.scale).to(dtype)
+        # One multiply that reads the codes as they lie (the int8 columns of a byte row, strided): type
+        # promotion converts each code as it multiplies, the same float32 product as `.float()` then the
+        # multiply, without `.float()`'s copy of a strided view, which on a CPU took 20x as long (13 ms
+        # against 0.7 ms for 4 x 3 x 1630 entries of head dim 64).
+        return (stored.payload * stored.scale).to(dtype)
