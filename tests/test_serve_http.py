@@ -12,6 +12,7 @@ import time
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
+import torch
 import uvicorn
 
 from kvtool.serve import Ledger, Scheduler, ServedModel, build_app
@@ -169,3 +170,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(monkeypatch) -> Non
         assert status["cancelled"] == 1 and status["completed"] == 0
         assert len(steps) - closed_at <= 3  # gone within a step or so of the next token
         assert len(steps) < 100
+
+
+def test_a_request_whose_prompt_phase_cannot_fit_gets_a_400_that_says_so() -> None:
+    """--kv-memory bounds the prompt phase too: a request whose cache fits but whose prompt phase
+    (its whole prompt for one layer at a time) does not is refused with one line; at its size it runs."""
+    loaded = tiny_loaded()
+    served = ServedModel(loaded, profile_with(loaded.model, 0.5), "test")
+    ids = [int(t) for t in torch.randint(5, 60, (80,), generator=torch.Generator().manual_seed(0))]
+    need, held = served.projected_bytes(len(ids), 3), served.prompt_bytes(len(ids), 3)
+    served.close()
+    assert held > 0
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 3, "temperature": 0}
+    with serving(kv_memory=need + held - 1) as (url, _):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and "while its prompt is processed" in message and "\n" not in message
+    with serving(kv_memory=need + held) as (url, _):
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
