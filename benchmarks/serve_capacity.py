@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             rows[name] = load(server, served_name, requests, args.clients, args.new_tokens, args.limit_s)
         finally:
             server.stop()
-    settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    settings = {key: ([str(v) for v in value] if isinstance(value, list) else str(value) if isinstance(value, Path) else value)
+                for key, value in vars(args).items()}
     result = {"settings": {**settings, "kv_memory": kv_memory}, "servers": rows}
     print(table(rows))
     if args.out:

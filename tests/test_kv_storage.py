@@ -166,3 +166,30 @@ def test_the_profile_format_names_are_the_runtime_formats():
     from kvtool.runtime.storage import FORMATS
 
     assert set(KV_FORMATS) == set(FORMATS)
+
+
+@pytest.mark.parametrize("spec", ["int8", "fp8"])
+def test_folded_scales_give_the_decoded_entries_attention(spec):
+    """A folding storage's decode step reads codes and scales (`read_scaled`): codes x scale is the
+    decoded entry bit for bit, and attention with the scales folded into scores and probabilities is
+    attention over the decoded entries (masked slots and per-head probabilities included)."""
+    from kvtool.runtime.importance import decode_attention_with_scores
+    from kvtool.runtime.layer.stored import EntryStorage
+
+    torch.manual_seed(0)
+    storage = EntryStorage(spec, spec)
+    assert storage.folds and not EntryStorage("int8", "int4-g32").folds and not EntryStorage().folds
+    keys, values, query = torch.randn(2, 3, 40, 32) * 3, torch.randn(2, 3, 40, 32), torch.randn(2, 6, 1, 32)
+    rows = storage.write(keys, values)
+    decoded_keys, decoded_values = storage.read(*rows, torch.float32, 32)
+    key_codes, key_scale, value_codes, value_scale = storage.read_scaled(*rows, torch.float32, 32, torch.float32)
+    assert torch.equal(key_codes * key_scale[..., None], decoded_keys)
+    assert torch.equal(value_codes * value_scale[..., None], decoded_values)
+    mask = (torch.arange(40) < torch.tensor([[40], [27]]))[:, None, None, :]
+    for per_head in (False, True):
+        want, want_p = decode_attention_with_scores(query, decoded_keys, decoded_values, mask, 32**-0.5, per_head)
+        got, got_p = decode_attention_with_scores(
+            query, key_codes, value_codes, mask, 32**-0.5, per_head, key_scale=key_scale, value_scale=value_scale
+        )
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(got_p, want_p, atol=1e-6)
+        assert torch.all(got_p[1][..., 27:] == 0) if per_head else torch.all(got_p[1, 27:] == 0)

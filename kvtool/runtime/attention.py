@@ -37,6 +37,7 @@ from kvtool.runtime.layer.held import HeldLayer
 from kvtool.runtime.importance import ScoreRequest, attention_with_scores, decode_attention_with_scores, prompt_scores
 from kvtool.runtime.importance import chunked
 from kvtool.runtime.importance.logits import dense_attention, is_plain, layer_scale
+from kvtool.runtime.importance.scores import accumulation_dtype
 from kvtool.runtime.layer import CompressingLayer
 from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 
@@ -116,6 +117,18 @@ def _attend(
             return layer.fused_step(query, scaling), None
         layer.place_step_token()
     layer.discard_padded_token(attention_mask)
+    if layer.storage.folds and accumulation_dtype(query.dtype) == torch.float32 and _plain_softmax_attention(dropout, kwargs):
+        # Codes and scales straight from the stored rows: no decoded copy of every entry each step.
+        # Only where attention runs in float32, as the decoded entries are: a float64 model (the
+        # tests' exact arithmetic) decodes them, so its attention is brute force's over them to 1e-9.
+        keys, key_scale, values, value_scale, mask = layer.decode_view_scaled(torch.float32)
+        output, received = decode_attention_with_scores(
+            query, keys, values, mask, scaling, per_head=layer.decode_per_head, key_scale=key_scale, value_scale=value_scale
+        )
+        if layer.needs_decode_scores:
+            layer.add_scores(received)
+        layer.evict_over_budget()
+        return output, None
     key, value, mask = layer.decode_view()
     if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
         output, received = decode_attention_with_scores(query, key, value, mask, scaling, per_head=layer.decode_per_head)

@@ -23,6 +23,8 @@ def decode_attention_with_scores(
     mask: torch.Tensor,
     scaling: float,
     per_head: bool = False,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token's attention over the cached slots, with the probabilities it gave them.
 
@@ -31,8 +33,12 @@ def decode_attention_with_scores(
     Returns the output in sdpa_attention_forward's layout [B, 1, Hq, D] and the probabilities:
     [B, S] averaged over all query heads (what H2O accumulates and shared TOVA ranks), or with
     `per_head` [B, Hkv, S] averaged over each KV head's query heads (per-head layers, whose slots
-    hold different entries in each KV head). Used only by rules that need the scores. A
-    soft-capping or sink layer's `scaling` is a LogitScale (logits.py): its probabilities are the model's.
+    hold different entries in each KV head). Used by rules that need the scores, and by layers whose
+    storage folds (`EntryStorage.read_scaled`): then keys and values are codes and `key_scale` /
+    `value_scale` [B, Hkv, S] their scales, so each slot's logit is (q . codes) x its key's scale and
+    each probability enters the values' product times its value's scale: the same products as over
+    the decoded entries, in another order. A soft-capping or sink layer's `scaling` is a LogitScale
+    (logits.py): its probabilities are the model's.
 
     Scores and probabilities are float32 (float64 for float64 models). A half-precision model on a
     GPU multiplies its own keys and values with float32 results, as FlashAttention does (the
@@ -48,14 +54,17 @@ def decode_attention_with_scores(
         scores = _bmm(q, keys.transpose(-1, -2), acc).mul_(scaling)
     else:
         scores = torch.matmul(q.to(acc) * scaling, keys.to(acc).transpose(-1, -2))  # [B, Hkv, g, S]
+    if key_scale is not None:
+        scores.mul_(key_scale[:, :, None, :])
     cap_(scores, scaling)  # a soft-capping layer's (`scaling` a LogitScale, logits.py)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     probs = softmax_(scores, sink_view(scaling, (1, n_kv_heads, group, 1), acc, scores.device))
+    weights = probs if value_scale is None else probs * value_scale[:, :, None, :]
     if _mixed(values, acc):
-        out = _weighted_values(probs, values, acc)
+        out = _weighted_values(weights, values, acc)
     else:
-        out = torch.matmul(probs, values.to(acc))  # [B, Hkv, g, D]
+        out = torch.matmul(weights, values.to(acc))  # [B, Hkv, g, D]
     out = out.reshape(bsz, 1, n_heads, -1).to(query.dtype)
     if per_head:
         return out, probs.mean(dim=2)

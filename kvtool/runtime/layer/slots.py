@@ -97,14 +97,25 @@ class SlotPlacement:
         row holds that many: on the CPU masking the spare slots cost as much as a tenth of the attention.
         Other layers: the whole buffer, masked by validity. Scores the attention returns are as wide
         as the view."""
+        keys, values, mask = self._view()
+        return (*self._read(keys, values), mask)
+
+    def decode_view_scaled(self, acc: torch.dtype):
+        """`decode_view` of a folding storage (`EntryStorage.folds`): key codes, key scales, value
+        codes, value scales (`EntryStorage.read_scaled`) and the mask."""
+        keys, values, mask = self._view()
+        return (*self.storage.read_scaled(keys, values, self.dtype, self.head_dim, acc), mask)
+
+    def _view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The stored slots `decode_view` reads, and their mask."""
         if self.fixed is not None:
-            return (*self._read(self.keys, self.values), self.slot_mask())  # every slot, the same shape each step
+            return self.keys, self.values, self.slot_mask()  # every slot, the same shape each step
         if self.packed:
             width = int(self.kept.max())
             if width > 0:
                 mask = None if (self.kept == width).all() else self.valid[:, None, None, :width]
-                return (*self._read(self.keys[:, :, :width], self.values[:, :, :width]), mask)
-        return (*self._read(self.keys, self.values), self.slot_mask())
+                return self.keys[:, :, :width], self.values[:, :, :width], mask
+        return self.keys, self.values, self.slot_mask()
 
     def _read(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The entries as attention reads them: decoded from their stored form (native: as they are)."""

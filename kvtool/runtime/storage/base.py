@@ -88,6 +88,11 @@ class StorageFormat:
 
     name: str = ""
     bits: int = 0  # bits per stored value, before scales and zero points
+    # Whether an entry is exactly its codes (read as floats) times one float32 scale per vector, the
+    # codes first in the row and the scale after them: then attention multiplies each slot's score by
+    # its key's scale and its probability by its value's instead of decoding every entry
+    # (`EntryStorage.read_scaled`, importance/decode.py).
+    folds: bool = False
 
     def check(self, head_dim: int) -> None:
         """Refuse a head dim the format cannot store (a cache calls this when it builds a layer)."""

@@ -24,6 +24,7 @@ E4M3_MAX = 448.0
 class Fp8Format(StorageFormat):
     name = "fp8"
     bits = 8
+    folds = True
 
     def encode(self, x: Tensor) -> Stored:
         xf = x.float()

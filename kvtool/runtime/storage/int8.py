@@ -24,6 +24,7 @@ from kvtool.runtime.storage.base import StorageFormat, Stored, divide
 class Int8Format(StorageFormat):
     name = "int8"
     bits = 8
+    folds = True
 
     def encode(self, x: Tensor) -> Stored:
         xf = x.float()
