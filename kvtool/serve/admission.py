@@ -12,7 +12,9 @@ The projection (`KvFootprint.projected`) counts, per layer, the entries the laye
 the profile leaves whole) plus the slots a layer adds when it grows (`GROWTH_SLOTS`), each entry at
 its stored bytes (keys and values, every KV head) and the per-slot bookkeeping a compressing layer
 carries. It is what the cache can grow to, so it bounds what `usage.kv_bytes` reports at the end
-(tests/test_serve_scheduler.py checks it). A prompt phase holds more than its caches will keep: the full keys and values of its prompt until a
+(tests/test_serve_scheduler.py checks it).
+
+A prompt phase holds more than its caches will keep: the full keys and values of its prompt until a
 layer compresses them (without a draft, one layer's at a time; with a draft, every layer's until the
 last round, `runtime.layer.held_prompt`). The scheduler runs one prompt phase at once, so the ledger
 keeps room for the largest one any admitted request still waits for (`KvFootprint.prompt_phase`): a
