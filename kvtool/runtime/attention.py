@@ -117,22 +117,22 @@ def _attend(
             return layer.fused_step(query, scaling), None
         layer.place_step_token()
     layer.discard_padded_token(attention_mask)
-    if layer.storage.folds and accumulation_dtype(query.dtype) == torch.float32 and _plain_softmax_attention(dropout, kwargs):
-        # Codes and scales straight from the stored rows: no decoded copy of every entry each step.
-        # Only where attention runs in float32, as the decoded entries are: a float64 model (the
-        # tests' exact arithmetic) decodes them, so its attention is brute force's over them to 1e-9.
-        keys, key_scale, values, value_scale, mask = layer.decode_view_scaled(torch.float32)
+    plain = _plain_softmax_attention(dropout, kwargs)
+    # A folding storage hands over codes and scales straight from its rows: no decoded copy of every
+    # entry each step. Only where attention runs in float32, as the decoded entries are: a float64
+    # model (the tests' exact arithmetic) decodes them, so its attention is brute force's to 1e-9.
+    folds = plain and layer.storage.folds and accumulation_dtype(query.dtype) == torch.float32
+    key_scale = value_scale = None
+    if folds:
+        key, key_scale, value, value_scale, mask = layer.decode_view_scaled(torch.float32)
+    else:
+        key, value, mask = layer.decode_view()
+    if plain and (folds or layer.needs_decode_scores):
         output, received = decode_attention_with_scores(
-            query, keys, values, mask, scaling, per_head=layer.decode_per_head, key_scale=key_scale, value_scale=value_scale
+            query, key, value, mask, scaling, per_head=layer.decode_per_head, key_scale=key_scale, value_scale=value_scale
         )
         if layer.needs_decode_scores:
             layer.add_scores(received)
-        layer.evict_over_budget()
-        return output, None
-    key, value, mask = layer.decode_view()
-    if layer.needs_decode_scores and _plain_softmax_attention(dropout, kwargs):
-        output, received = decode_attention_with_scores(query, key, value, mask, scaling, per_head=layer.decode_per_head)
-        layer.add_scores(received)
         out = (output, None)
     else:
         out = _dense(module, query, key, value, mask, dropout, scaling, kwargs)
