@@ -42,7 +42,7 @@ import torch
 from transformers import AttentionInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from head_budgets import LONG_ANSWER, RECENT, SINKS, Probe, _paired, protected, reference, union  # noqa: E402, F401
+from head_budgets import LONG_ANSWER, Probe, _paired, protected, reference, union  # noqa: E402
 
 from kvtool.data import load_jsonl  # noqa: E402
 from kvtool.models import load_model, use_offline_defaults  # noqa: E402

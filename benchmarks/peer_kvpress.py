@@ -158,6 +158,23 @@ class Options:
     json_out: Path | None
     threads: int | None = None
     kinds: tuple[str, ...] | None = None  # only the rows of these kinds (as `kvtool eval --kinds`)
+    quantized: Quantized | None = None  # transformers' quanto cache instead of the full-precision one
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """transformers' `QuantizedCache(backend="quanto")`, the quantized cache kvpress's presses accept:
+    every entry at `bits` (asymmetric, one scale and zero point per group of `group` values, in the
+    model's dtype; a group is one head's vector at head dim 64), the newest tokens at full precision
+    until `residual` of them are waiting, then quantized with the rest."""
+
+    bits: int
+    residual: int = 128  # transformers' default residual_length
+    group: int = 64  # transformers' default q_group_size
+
+    @property
+    def name(self) -> str:
+        return f"quanto int{self.bits} g{self.group} residual {self.residual}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -205,6 +222,11 @@ def parse_args(argv: Sequence[str]) -> Options:
     parser.add_argument("--references", type=Path, help="a kvtool eval --json file whose full_outputs to use")
     parser.add_argument("--json", dest="json_out", type=Path, help="write the results here")
     parser.add_argument(
+        "--quantized-cache", type=int, choices=(2, 4), metavar="BITS",
+        help="store the cache in transformers' quanto QuantizedCache at 2 or 4 bits (needs optimum-quanto)",
+    )
+    parser.add_argument("--residual-length", type=int, default=128, help="with --quantized-cache: newest tokens kept at full precision")
+    parser.add_argument(
         "--threads", type=int, help="torch CPU threads (default: torch's); 1 where other jobs share the cores"
     )
     args = parser.parse_args(list(argv))
@@ -214,6 +236,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise PeerError(f"--max-prompt-tokens must be at least 16, got {args.max_prompt_tokens}")
     if args.threads is not None and args.threads < 1:
         raise PeerError(f"--threads must be at least 1, got {args.threads}")
+    if args.residual_length < 1:
+        raise PeerError(f"--residual-length must be at least 1, got {args.residual_length}")
     if args.limit is not None and args.limit < 1:
         raise PeerError(f"--limit must be at least 1, got {args.limit}")
     kinds = None if args.kinds is None else tuple(dict.fromkeys(k.strip() for k in args.kinds.split(",") if k.strip()))
@@ -227,6 +251,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         model_dir=args.model_dir, data=args.data, presses=_names(args.presses), budgets=_budgets(args.budgets),
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
         references=args.references, json_out=args.json_out, threads=args.threads, kinds=kinds,
+        quantized=None if args.quantized_cache is None else Quantized(args.quantized_cache, args.residual_length),
     )
 
 
@@ -367,6 +392,9 @@ class PromptScore:
     kv_kept: int = 0  # KV entries at the end of greedy generation (effective: masked ones not counted)
     kv_physical: int = 0  # entries stored, masked or not
     kv_full: int = 0  # entries a full cache holds for the same tokens
+    kv_bytes: int = 0  # bytes the cache's tensors hold at the end of greedy generation (codes, scales, zeros)
+    kv_full_bytes: int = 0  # bytes a full-precision full cache holds for the same tokens
+    kv_bytes_16bit: int = 0  # kv_bytes with every floating-point value at 2 bytes (a 16-bit model's cache)
 
 
 def _pooled_ppl(scores: Sequence[PromptScore]) -> float:
@@ -396,14 +424,30 @@ def _group(scores: Sequence[PromptScore], rows: Sequence[Row]) -> dict[str, dict
     return out
 
 
-def summarize(spec: PressSpec, budget: float, scores: Sequence[PromptScore], rows: Sequence[Row], seconds: float) -> dict[str, Any]:
-    """One `results` entry of the JSON."""
+def summarize(
+    spec: PressSpec, budget: float, scores: Sequence[PromptScore], rows: Sequence[Row], seconds: float,
+    quantized_as: Quantized | None = None, element_bytes: int = 4,
+) -> dict[str, Any]:
+    """One `results` entry of the JSON; with `quantized_as`, kv_fraction is a share of bytes."""
     if len(scores) != len(rows) or not scores:
         raise ValueError("need one score per row, at least one")
     rouge = [s.rouge_l if s.rouge_l is not None else math.nan for s in scores]
     accuracy = [s.accuracy for s in scores]
     answered = [a for a in accuracy if a is not None]
     full = sum(s.kv_full for s in scores)
+    full_bytes = sum(s.kv_full_bytes for s in scores)
+    byte_share = sum(s.kv_bytes for s in scores) / full_bytes if full_bytes else math.nan
+    quantized = {}
+    if quantized_as is not None:
+        # kv_fraction is the share of the model's own cache's bytes, as kvtool eval reports a
+        # quantized cache; kv_fraction_16bit the share of a 16-bit cache's bytes with quanto's
+        # scales, zero points and full-precision residual at 16 bits too, as a 16-bit model stores
+        # them (kvtool's own formats keep float32 scales in any model).
+        full_16bit = full_bytes * 2 / element_bytes
+        quantized = {
+            "kv_format": quantized_as.name, "kv_fraction_entries": _json_number(sum(s.kv_kept for s in scores) / full if full else math.nan),
+            "kv_fraction_16bit": _json_number(sum(s.kv_bytes_16bit for s in scores) / full_16bit if full_bytes else math.nan),
+        }
     return {
         "method": spec.method,
         "press": spec.description,
@@ -417,8 +461,9 @@ def summarize(spec: PressSpec, budget: float, scores: Sequence[PromptScore], row
         "rouge_l_per_prompt": rouge,
         "accuracy": _mean_or_none(answered),
         "accuracy_per_prompt": accuracy,
-        "kv_fraction": _json_number(sum(s.kv_kept for s in scores) / full if full else math.nan),
+        "kv_fraction": _json_number(byte_share if quantized_as is not None else sum(s.kv_kept for s in scores) / full if full else math.nan),
         "kv_fraction_physical": _json_number(sum(s.kv_physical for s in scores) / full if full else math.nan),
+        **quantized,
         "kinds": _group(scores, rows),
         "outputs": [s.output for s in scores],
         "seconds": seconds,
@@ -565,11 +610,44 @@ def kv_entries(model: Any, cache: Any) -> tuple[int, int]:
     """
     effective = physical = 0
     for index, layer in enumerate(cache.layers):
-        stored = int(layer.keys.shape[1] * layer.keys.shape[2])
+        # A quantized layer holds its older entries quantized and its newest in `keys` (empty at first).
+        held = [t for t in (layer.keys, getattr(layer, "_quantized_keys", None)) if t is not None and t.dim() == 4]
+        stored = sum(int(t.shape[1] * t.shape[2]) for t in held)
         masked = getattr(model.model.layers[index].self_attn, "masked_key_indices", None)
         physical += stored
         effective += stored - (int(masked[0].numel()) if masked is not None else 0)
     return effective, physical
+
+
+def tensor_bytes(t: Any, as_16bit: bool = False) -> int:
+    """Bytes a tensor holds; a quanto tensor's are its codes' (packed), scales' and zero points'.
+    `as_16bit`: floating-point values counted at 2 bytes, as a 16-bit model would store them."""
+    parts = [getattr(t, name) for name in ("_data", "_scale", "_shift") if getattr(t, name, None) is not None]
+    if not parts:
+        return int(t.numel() * (2 if as_16bit and t.is_floating_point() else t.element_size()))
+    return sum(tensor_bytes(p, as_16bit) for p in parts)
+
+
+def kv_bytes(cache: Any, as_16bit: bool = False) -> int:
+    """Bytes every layer's keys and values hold: the full-precision tensors and, in a quantized
+    cache, the quantized ones."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                total += tensor_bytes(t, as_16bit)
+    return total
+
+
+def new_cache(config: Any, quantized: Quantized | None) -> Any:
+    from transformers import DynamicCache, QuantizedCache
+
+    if quantized is None:
+        return DynamicCache(config=config)  # sliding-window layers store their window only
+    return QuantizedCache(
+        backend="quanto", config=config, nbits=quantized.bits, q_group_size=quantized.group, residual_length=quantized.residual,
+    )
 
 
 def _reset_decoding_state(press: Any) -> None:
@@ -579,24 +657,30 @@ def _reset_decoding_state(press: Any) -> None:
         inner.reset()
 
 
-def run_prompt(m: Model, press: Any, ids: list[int], reference: Sequence[int], max_new_tokens: int) -> tuple[float, list[int], tuple[int, int, int]]:
+def run_prompt(
+    m: Model, press: Any, ids: list[int], reference: Sequence[int], max_new_tokens: int, quantized: Quantized | None = None,
+) -> tuple[float, list[int], tuple[int, int, int], tuple[int, int]]:
     """Compress the prompt with `press` (None: full cache), teacher-force `reference` through one copy
-    of that cache and decode greedily from another. Returns (NLL sum, greedy tokens, KV entries)."""
+    of that cache and decode greedily from another. Returns (NLL sum, greedy tokens, KV entries, KV bytes
+    as held and as a 16-bit model would hold them)."""
     import contextlib
     import copy
 
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=m.model.config)  # sliding-window layers store their window only
+    cache = new_cache(m.model.config, quantized)
     with press(m.model) if press is not None else contextlib.nullcontext():
         first = prefill(m.model, ids, cache)
-        greedy_cache = copy.deepcopy(cache)
+        greedy_cache = copy.deepcopy(cache) if quantized is None else None
         nll = teacher_forced_nll(m.model, cache, first, len(ids), reference)
         _reset_decoding_state(press)
+        if greedy_cache is None:
+            # quanto's tensors cannot be deep-copied: the prompt runs (and is compressed) again.
+            greedy_cache = new_cache(m.model.config, quantized)
+            first = prefill(m.model, ids, greedy_cache)
         tokens, _, fed = greedy(m.model, greedy_cache, first, len(ids), max_new_tokens, m.eos)
         _reset_decoding_state(press)
     effective, physical = kv_entries(m.model, greedy_cache)
-    return nll, tokens, (effective, physical, full_entries(m.model.config, len(ids) + fed))
+    held = (kv_bytes(greedy_cache), kv_bytes(greedy_cache, as_16bit=True))
+    return nll, tokens, (effective, physical, full_entries(m.model.config, len(ids) + fed)), held
 
 
 def full_entries(config: Any, seen: int) -> int:
@@ -671,6 +755,11 @@ def run(options: Options) -> dict[str, Any]:
     _check_press_fits(options.presses, encoded)
     _say(f"{len(rows)} prompts ({min(map(len, encoded))}-{max(map(len, encoded))} tokens), {options.model_dir}")
     hybrid = is_hybrid(m.model.config)
+    config = m.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element_bytes = next(m.model.parameters()).element_size()
+    if options.quantized is not None:
+        _say(f"the presses' caches are stored as {options.quantized.name}; kv_fraction is a share of bytes")
     if hybrid:
         _say("sliding-window layers are left whole, as kvpress runs Gemma 3: budgets apply to the global layers")
 
@@ -681,7 +770,7 @@ def run(options: Options) -> dict[str, Any]:
         for index, (row, ids) in enumerate(zip(rows, encoded)):
             if given is not None:
                 reference = given[index]
-                nll, _, _ = run_prompt(m, None, ids, reference.token_ids, 1)
+                nll, _, _, _ = run_prompt(m, None, ids, reference.token_ids, 1)
             else:
                 from transformers import DynamicCache
 
@@ -708,11 +797,13 @@ def run(options: Options) -> dict[str, Any]:
                         press = spec.build(kvpress, compression_ratio(budget))
                         if hybrid:
                             press = skip_sliding_layers(press)
-                        nll, tokens, (kept, physical, entries) = run_prompt(m, press, ids, reference.token_ids, options.max_new_tokens)
+                        nll, tokens, (kept, physical, entries), held = run_prompt(
+                            m, press, ids, reference.token_ids, options.max_new_tokens, options.quantized,
+                        )
                         output = _text(m.tokenizer, tokens)
                         scores.append(PromptScore(
                             nll, len(reference.token_ids), output, rouge_l_f1(output, reference.text), _score(row, output),
-                            kept, physical, entries,
+                            kept, physical, entries, held[0], entries * 2 * head_dim * element_bytes, held[1],
                         ))
                 except Exception as exc:  # a press that does not run on this model is a row of the table, not the end
                     error = f"{type(exc).__name__}: {exc}"
@@ -720,7 +811,7 @@ def run(options: Options) -> dict[str, Any]:
                     _say(f"{spec.method} budget {budget:g}: failed on this model ({error})")
                     continue
                 seconds = time.perf_counter() - tick
-                result = summarize(spec, 1.0 if name == "none" else budget, scores, rows, seconds)
+                result = summarize(spec, 1.0 if name == "none" else budget, scores, rows, seconds, options.quantized, element_bytes)
                 results.append(result)
                 accuracy = "" if result["accuracy"] is None else f" accuracy {result['accuracy']:.3f}"
                 _say(
@@ -739,6 +830,8 @@ def run(options: Options) -> dict[str, Any]:
         "max_new_tokens": options.max_new_tokens,
         "max_prompt_tokens": options.max_prompt_tokens,
         "references": f"full_outputs of {options.references}" if given is not None else "full-cache greedy (computed here)",
+        "kv_format": options.quantized.name if options.quantized is not None else "native",
+        "native_bytes": element_bytes,
         "prompt_tokens": [len(ids) for ids in encoded],
         **full,
         "full_outputs": [{"text": r.text, "token_ids": list(r.token_ids)} for r in references],

@@ -36,7 +36,8 @@ def test_tiers_follow_the_rank_with_the_protected_columns_first(tier):
     score = torch.rand(hkv, n, generator=g, dtype=torch.float64)
     tiers = [("int8", 0.3), ("int2-g32", 0.4)]
     codes = tier.tier_codes(score, tiers)
-    protected = set(range(tier.SINKS)) | set(range(n - tier.RECENT, n))
+    budgets = load_benchmark("head_budgets")  # the protected columns are its
+    protected = set(range(budgets.SINKS)) | set(range(n - budgets.RECENT, n))
     for h in range(hkv):
         order = sorted(range(n), key=lambda j: (j not in protected, -float(score[h, j])))
         first, second = math.floor(0.3 * n), math.floor(0.4 * n)

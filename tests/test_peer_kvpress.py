@@ -178,6 +178,8 @@ def model_dir(tmp_path):
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["--threads", "0"], "--threads must be at least 1"),
         (["--kinds", " , "], "--kinds is empty"),
+        (["--quantized-cache", "3"], "invalid choice: 3"),
+        (["--residual-length", "0"], "--residual-length must be at least 1"),
         (["--bogus"], "unrecognized arguments"),
     ],
 )
@@ -192,6 +194,41 @@ def test_arguments_parse(model_dir):
     assert options.max_new_tokens == 64 and options.max_prompt_tokens == 2048 and options.data == peer.DEFAULT_DATA
     assert options.kinds is None
     assert peer.parse_args(["--model-dir", str(model_dir), "--kinds", "code, chat,code"]).kinds == ("code", "chat")
+    assert options.quantized is None
+    quantized = peer.parse_args(["--model-dir", str(model_dir), "--quantized-cache", "4", "--residual-length", "32"]).quantized
+    assert quantized == peer.Quantized(bits=4, residual=32, group=64)
+    assert quantized.name == "quanto int4 g64 residual 32"
+
+
+def test_quantized_bytes_count_codes_scales_and_zero_points():
+    """A quanto tensor's bytes are its packed codes', scales' and zero points' (the layout of one
+    quantized at 4 bits in groups of 64: 300 vectors of 64 values), plus the layer's full-precision
+    residual; a plain tensor's are its own."""
+    import torch
+
+    packed = types.SimpleNamespace(_data=torch.zeros(150, 64, dtype=torch.uint8))
+    quantized = types.SimpleNamespace(_data=packed, _scale=torch.zeros(300, 1), _shift=torch.zeros(300, 1))
+    assert peer.tensor_bytes(quantized) == 150 * 64 + 2 * 300 * 4
+    assert peer.tensor_bytes(torch.zeros(2, 3, dtype=torch.float16)) == 12
+    assert peer.tensor_bytes(quantized, as_16bit=True) == 150 * 64 + 2 * 300 * 2  # scales and zeros at 16 bits
+    residual = torch.zeros(1, 3, 5, 64)
+    layer = types.SimpleNamespace(keys=residual, values=residual, _quantized_keys=quantized, _quantized_values=quantized)
+    assert peer.kv_bytes(types.SimpleNamespace(layers=[layer, layer])) == 2 * (2 * residual.numel() * 4 + 2 * peer.tensor_bytes(quantized))
+
+
+def test_a_quantized_result_reports_a_share_of_bytes():
+    rows = [peer.Row("a", "doc"), peer.Row("b", "doc")]
+    scores = [
+        peer.PromptScore(1.0, 1, "o", 1.0, None, 50, 50, 100, kv_bytes=1000, kv_full_bytes=8000, kv_bytes_16bit=600),
+        peer.PromptScore(1.0, 1, "o", 1.0, None, 100, 100, 100, kv_bytes=3000, kv_full_bytes=8000, kv_bytes_16bit=1400),
+    ]
+    plain = peer.summarize(peer.PRESSES["tova"], 0.5, scores, rows, 1.0)
+    assert plain["kv_fraction"] == pytest.approx(0.75) and "kv_fraction_16bit" not in plain
+    result = peer.summarize(peer.PRESSES["tova"], 0.5, scores, rows, 1.0, peer.Quantized(4), element_bytes=4)
+    assert result["kv_fraction"] == pytest.approx(4000 / 16000)  # bytes held over a float32 full cache's
+    assert result["kv_fraction_16bit"] == pytest.approx(2000 / 8000)  # as a 16-bit model holds them, over its full cache
+    assert result["kv_fraction_entries"] == pytest.approx(0.75)
+    assert result["kv_format"] == "quanto int4 g64 residual 128"
 
 
 def test_main_reports_one_line_and_exit_2(tmp_path, model_dir, capsys):
