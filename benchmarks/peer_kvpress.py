@@ -32,8 +32,7 @@ holds the budget over all tokens seen; it is offered as the separate `*_decoding
 backend, which kvpress's presses dequantize, compress and quantize again): then kv_fraction is the
 share of the full cache's bytes the tensors hold (codes, scales, zero points and the full-precision
 residual), and kv_fraction_16bit the same with the floating-point parts at 16 bits, for a side by side
-with `kvtool eval --kv-format` at the same bytes. quanto is not in the environment by default:
-`.venv-kvpress/bin/pip install optimum-quanto`.
+with `kvtool eval --kv-format` at the same bytes (the setup script installs optimum-quanto).
 
 Usage (the wrapper builds `.venv-kvpress/` on first use and finds the converted smollm2):
 

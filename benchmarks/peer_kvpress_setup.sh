@@ -7,7 +7,8 @@
 # Its own environment because kvpress 0.5.5 pins transformers < 5.3 (it gets 5.2.0 here) and kvtool
 # needs a newer one. torch is pinned first, to the CPU build: an unpinned torch would come with
 # gigabytes of CUDA libraries. kvpress then brings transformers, accelerate, peft, datasets and
-# pandas (none of them pulls CUDA once torch is there); rouge-score is the ROUGE-L kvtool uses.
+# pandas (none of them pulls CUDA once torch is there); rouge-score is the ROUGE-L kvtool uses;
+# optimum-quanto is the backend of transformers' QuantizedCache (`--quantized-cache`).
 #
 # It produces the kvpress rows of the README's quality table (docs/results.md, "Quality against the peers").
 #
@@ -20,11 +21,11 @@ venv="$root/.venv-kvpress"
 python="${PYTHON:-python3}"
 
 # find_spec, not import: importing kvpress loads torch and transformers (half a minute on a busy CPU).
-installed='import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("kvpress", "rouge_score")))'
+installed='import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("kvpress", "rouge_score", "optimum.quanto")))'
 if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "$installed" 2>/dev/null; then
     "$python" -m venv "$venv"
     "$venv/bin/pip" install --quiet torch==2.13.0
-    "$venv/bin/pip" install --quiet kvpress==0.5.5 rouge-score
+    "$venv/bin/pip" install --quiet kvpress==0.5.5 rouge-score optimum-quanto==0.2.7
     echo "built $venv: $("$venv/bin/python" -c 'import kvpress, transformers, torch; from importlib.metadata import version; print("kvpress", version("kvpress"), "transformers", transformers.__version__, "torch", torch.__version__)')" >&2
 fi
 
