@@ -35,7 +35,6 @@ import json
 import math
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from head_budgets import LONG_ANSWER, Probe, _paired, protected, reference, union  # noqa: E402
 
 from kvtool.data import load_jsonl  # noqa: E402
+from kvtool.data.long_prompts import first_per_kind  # noqa: E402
 from kvtool.models import load_model, use_offline_defaults  # noqa: E402
 from kvtool.runtime.storage import FORMATS  # noqa: E402
 from kvtool.scoring.encoding import encode_prompt  # noqa: E402
@@ -139,12 +139,7 @@ def main() -> None:
     # Bytes as a 16-bit model stores them (the budget's own terms): a lower tier's scales and zero
     # points in 16 bits; int8's one scale per vector is float32 in any model.
     plans = {b: arms(b, dim, 2) for b in budgets}
-    counts: dict[str, int] = defaultdict(int)
-    chosen = []
-    for r in load_jsonl(None):
-        if not r.images and counts[r.kind] < args.per_kind:
-            counts[r.kind] += 1
-            chosen.append(r)
+    chosen = first_per_kind([r for r in load_jsonl(None) if not r.images], args.per_kind)
     probe = TierProbe()
     AttentionInterface.register("low_bit_tier_probe", probe)
     rows = []
