@@ -170,7 +170,7 @@ def calibrated():
     tiny = sharpened_llama((400.0, 60.0, 1.0))
     run = calibrate(
         tiny, 0.2, data=word_prompts(6), samples=4, seed=1, reference_tokens=6, candidates=(0, 8), search=None,
-        method=MethodSettings(ratios="measured"), kv_formats=("int8", "int4"), max_prompt_overhead=None,
+        method=MethodSettings(ratios="measured"), kv_formats=("int8", "int4"), layer_storage=True, max_prompt_overhead=None,
     )
     return tiny, run.profile
 
@@ -276,6 +276,9 @@ def test_bad_precision_requests_are_one_line_errors():
         (tiny_llama(dtype=torch.float32), {"kv_formats": ("int8",), "candidates": ()}, "makes none"),
         (tiny_llama(dtype=torch.float32), {"kv_formats": ("int4-g32",), "method": MethodSettings(ratios="measured")}, "int4-g32"),
         (tiny_llama(dtype=torch.float32), {"kv_formats": ("int9",)}, "int9"),
+        (tiny_llama(dtype=torch.float32), {"layer_storage": True}, "beside native"),
+        (tiny_llama(dtype=torch.float32), {"kv_formats": ("int8",), "layer_storage": True}, "measures none"),
+        (tiny_gemma3(dtype=torch.float32), {"kv_formats": ("int8",), "layer_storage": True, "budget_tokens": 64}, "sliding-window"),
     ]
     from test_calibrate import loaded
 

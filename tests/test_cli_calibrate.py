@@ -212,6 +212,29 @@ def test_budget_tokens_default_is_the_library_default() -> None:
     assert inspect.signature(calibrate_command).parameters["budget_tokens"].default == DEFAULT_BUDGET_TOKENS == PROFILE_DEFAULT
 
 
+def test_kv_formats_default_is_the_library_default_and_reaches_the_profile(
+    calibrated: Path, tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`--kv-formats` defaults to int8: the searched recipe is measured at int8 beside the model's own
+    precision, and the profile records both trials; `per-layer` asks each layer to choose, which needs
+    the layers' measured losses (a one-line error without them)."""
+    import inspect
+
+    from kvtool.calibration.config import DEFAULT_KV_FORMATS
+    from kvtool.calibration.storage import AS_SEARCHED
+    from kvtool.cli.calibrate import KV_FORMATS_DEFAULT, calibrate_command
+
+    assert inspect.signature(calibrate_command).parameters["kv_formats"].default == KV_FORMATS_DEFAULT
+    assert tuple(KV_FORMATS_DEFAULT.split(",")) == DEFAULT_KV_FORMATS
+    trials = read_profile(calibrated).calibration.storages
+    assert [t.storage for t in trials] == [AS_SEARCHED, "int8"] and sum(bool(t.shipped) for t in trials) == 1
+    out = tmp_path / "q.yaml"
+    code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
+                       "--data", str(data_file), "--papers", "--kv-formats", "int8,per-layer", "--out", str(out))
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "measured loss" in errors[0] and "Traceback" not in err and not out.exists()
+
+
 def test_calibrate_help_lists_at_most_fifteen_options() -> None:
     """The options a user reads in `kvtool calibrate --help` (help itself aside): the draft is one
     option, and what was measured as no better (lookahead, reused drafts, in-context answer

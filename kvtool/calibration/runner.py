@@ -197,9 +197,15 @@ def calibrate(
     storages = [KVStorage.parse(f) for f in config.kv_formats if KVStorage.parse(f).quantized]
     if storages and not config.candidates:
         raise KvtoolError("--kv-formats: the storage stage measures the recipe on references, and this run makes none")
-    # Each layer's storage by its measured loss where layer losses are measured (models without
-    # sliding layers); every model also gets the storage stage (`calibration.storage`).
-    per_layer = storages if by_measured_loss and not hybrid else []
+    # Each layer's storage by its measured loss, where asked (`layer_storage`): layer losses are
+    # measured on models without sliding layers only. Every model gets the storage stage
+    # (`calibration.storage`).
+    if config.layer_storage and (hybrid or not by_measured_loss):
+        raise KvtoolError(
+            "a storage per layer is chosen by each layer's measured loss: "
+            + ("models with sliding-window layers get one storage everywhere" if hybrid else "this run measures none (ratios from measured loss)")
+        )
+    per_layer = storages if config.layer_storage else []
     for storage in storages:
         check_storage(storage, fingerprint_of(loaded.model).head_dim, "--kv-formats")
     notes = []

@@ -57,6 +57,8 @@ def search_space(base: Any, options: list[str]) -> Any:
 
 # `--draft`'s default: kvtool.calibration.config.DEFAULT_DRAFT (a test keeps them equal; importing it here costs torch).
 DRAFT_DEFAULT = "32,rounds=2,verify"
+KV_FORMATS_DEFAULT = "int8"  # kvtool.calibration.config.DEFAULT_KV_FORMATS (a test keeps them equal)
+PER_LAYER = "per-layer"  # in --kv-formats: each layer chooses its storage (CalibrateConfig.layer_storage)
 
 
 @app.command("calibrate")
@@ -158,12 +160,14 @@ def calibrate_command(
         str,
         typer.Option(
             "--kv-formats",
-            help="Storages each layer may keep its entries in beside the model's own precision, comma-separated "
-            "(int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES such as int8/int4-g32): the measured ratio source "
-            "then chooses per layer a storage and a ratio by measured loss within the budget's bytes. 'native': "
-            "the model's precision only. Models without sliding-window layers.",
+            help="Storages the searched recipe is also measured at, every layer at one, its entries re-derived to "
+            "the same bytes, comma-separated (int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES such as int8/int4-g32): "
+            "the lowest PPL on the prompts that choose ships where the held-out prompts confirm it against the model's "
+            "own precision. 'native': the model's precision only. Add 'per-layer' (int8,int4-g32,per-layer) for each "
+            "layer to choose its storage with its entries by measured loss within the bytes (models without "
+            "sliding-window layers; slower, and on SmolLM2 no better).",
         ),
-    ] = "native",
+    ] = KV_FORMATS_DEFAULT,
     engine: Annotated[
         str | None,
         typer.Option(
@@ -188,6 +192,7 @@ def calibrate_command(
     if merge != "auto" and merge not in MERGE_MODES:
         raise KvtoolError(f"--merge must be auto or one of {', '.join(MERGE_MODES)}, got {merge!r}")
 
+    formats = [part.strip() for part in kv_formats.split(",") if part.strip()]
     draft_settings, draft_stage = parse_draft(draft)
     overhead_limit = parse_overhead(max_prompt_overhead)
     model_budget = check_budget(budget)
@@ -203,7 +208,8 @@ def calibrate_command(
         draft_stage=draft_stage,
         max_prompt_overhead=overhead_limit,
         budget_tokens=budget_tokens,
-        kv_formats=tuple(part.strip() for part in kv_formats.split(",") if part.strip()),
+        kv_formats=tuple(part for part in formats if part != PER_LAYER),
+        layer_storage=PER_LAYER in formats,
         # Its D candidates and merge modes are the config's.
         search=search_space(SearchSpace(), space or []) if search else None,
     )
