@@ -226,8 +226,9 @@ def test_calibrate_inspect_and_eval_with_images(llava_dir, image_data, tmp_path,
     assert loaded.tokenizer.padding_side == "left" and "vision-language" in loaded.source
 
     out = tmp_path / "llava.yaml"
+    # At the model's own precision: the image shares are the calibrated ratios' (a storage re-derives them).
     code, stdout, stderr = run(monkeypatch, capsys, "calibrate", str(llava_dir), "--budget", "0.5", "--samples", "2",
-                               "--data", str(image_data), "--out", str(out))
+                               "--data", str(image_data), "--kv-formats", "native", "--out", str(out))
     assert code == 0, stderr
     profile = read_profile(out)
     shares = [layer.image_share for layer in profile.layers]

@@ -82,12 +82,16 @@ def assert_applies(model, profile, inputs: dict) -> None:
 
 def assert_records_kinds(model, profile) -> None:
     """Every layer's kind recorded as the model's config gives it; only attention layers compress,
-    the full-attention ones at the budget on average."""
+    the full-attention ones at the budget's bytes on average."""
     kinds = fingerprint_of(model).layer_types
     assert profile.model.layer_types == kinds and len(profile.layers) == len(kinds)
     full = [layer for kind, layer in zip(kinds, profile.layers) if kind == "full_attention"]
     assert full and all(layer.compress for layer in full)
-    assert np.mean([layer.ratio for layer in full]) == pytest.approx(0.2, abs=2e-3)
+    # The budget is bytes: the kept ratio at each layer's storage (int8 where the storage stage chose it).
+    from kvtool.profiles.entry_bytes import layer_share
+
+    native = profile.native_bytes or 4
+    assert np.mean([layer_share(layer, profile.model.head_dim, native) for layer in full]) == pytest.approx(0.2, abs=2e-3)
     assert all(not layer.compress for kind, layer in zip(kinds, profile.layers) if kind not in ATTENTION_KINDS)
 
 
@@ -118,9 +122,14 @@ def test_the_cli_defaults_write_a_profile_that_applies(name, data_file, tmp_path
         assert all(r.scorer not in QUERY_SCORERS for r in profile.calibration.recipes)
         assert profile.method.scorer not in QUERY_SCORERS and not EVICT_RULES[profile.method.eviction].needs_queries
     cache = assert_applies(model, profile, left_pad(prompts([40, 25])))
+    kept_native = [r.getMessage() for r in caplog.records if "latent entries are kept" in r.getMessage()]
     if name == "deepseek-v3":
         assert profile.method.heads == "shared"
         assert all(isinstance(layer, LatentLayer) for layer in cache.layers)
+        # The default storage stage is left out in one line: latent layers store the model's own entries.
+        assert len(kept_native) == 1 and "\n" not in kept_native[0] and profile.calibration.storages is None
+    else:
+        assert not kept_native and [t.storage for t in profile.calibration.storages][1:] == ["int8"]
 
 
 def test_a_vision_language_model_calibrates_with_the_defaults(tmp_path, caplog):

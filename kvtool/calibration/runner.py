@@ -205,10 +205,16 @@ def calibrate(
             "a storage per layer is chosen by each layer's measured loss: "
             + ("models with sliding-window layers get one storage everywhere" if hybrid else "this run measures none (ratios from measured loss)")
         )
+    notes = []
+    if storages and latent_expanders(loaded.model):
+        # MLA caches one latent for every head, which kvtool keeps as the model computes it: a
+        # profile with stored entries would be refused at attach, so it keeps the model's own, said in one line.
+        notes.append(f"{loaded.model.config.model_type}: latent entries are kept at the model's precision; "
+                     f"--kv-formats {','.join(s.name for s in storages)} is not measured")
+        storages = []
     per_layer = storages if config.layer_storage else []
     for storage in storages:
         check_storage(storage, fingerprint_of(loaded.model).head_dim, "--kv-formats")
-    notes = []
     no_draft = draft_refusal(loaded.model, fingerprint_of(loaded.model).layer_types) if config.draft is not None else None
     if no_draft is not None:  # a profile with it would be refused at attach: it goes without, said in one line
         config = replace(config, draft=None, draft_stage=False)
