@@ -69,16 +69,21 @@ def test_the_prefixkv_column_is_the_allocation_at_the_budget(monkeypatch, capsys
     doc = gini_json(monkeypatch, capsys, SMOLLM2_MEASURED)
     theirs = np.array([layer["prefixkv_ratio"] for layer in doc["layers"]])
     curves = np.array([layer.priority_curve for layer in profile.layers])
-    allocation = solve_ratios(curves, profile.budget)
-    np.testing.assert_allclose(theirs, allocation.ratios, rtol=0, atol=1e-12)
+    # At the profile's bytes and storage (one storage in every layer): the entries that buys.
+    from kvtool.profiles.entry_bytes import entry_share
+
+    first = profile.layers[0]
+    entries = profile.budget / entry_share(first.keys_format, first.values_format, profile.model.head_dim, profile.native_bytes or 2)
+    allocation = solve_ratios(curves, entries)
+    np.testing.assert_allclose(theirs, allocation.ratios, rtol=0, atol=1e-9)
     assert doc["prefixkv_p"] == pytest.approx(allocation.p, abs=1e-12)
     # The budget is met, each layer sits where its curve reaches p (or at the floor), and an
     # independent dense-grid bisection lands on the same ratios.
-    floor = floor_for(profile.budget)
-    assert theirs.mean() == pytest.approx(profile.budget, abs=1e-9)
+    floor = floor_for(entries)
+    assert theirs.mean() == pytest.approx(entries, abs=1e-9)
     at_p = np.array([max(floor, kept_ratio(curve, doc["prefixkv_p"])) for curve in curves])
     np.testing.assert_allclose(theirs, at_p, atol=1e-6)
-    np.testing.assert_allclose(theirs, brute_force(curves, profile.budget, floor), atol=2e-4)
+    np.testing.assert_allclose(theirs, brute_force(curves, entries, floor), atol=2e-4)
     # R_l(p) never falls as p rises, in every layer.
     levels = np.linspace(0.0, 1.0, 401)
     per_level = np.array([[kept_ratio(curve, q) for curve in curves] for q in levels])
