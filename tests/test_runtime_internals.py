@@ -352,3 +352,32 @@ def test_both_cache_argument_names_compress_the_same(llama):
     assert all(torch.equal(outs[0], out) for out in outs)
     # Compressed: 30% of the 40-token prompt plus the new tokens' growth, far from 46 entries.
     assert all(max(k) < 30 for k in kept), kept
+
+
+def test_a_model_that_drops_forward_kwargs_still_reaches_its_cache(llama, monkeypatch):
+    """Some families' forwards do not pass keyword arguments on to the attention (Falcon since
+    transformers 5.25): the forward's context variable carries the cache instead, so generation is
+    the same, and it is cleared once each forward returns or raises."""
+    from kvtool.runtime import attention
+
+    inputs = left_pad(prompts([40, 33]))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    def generate():
+        with torch.no_grad(), attach(llama, uniform_profile(llama, 0.3)) as handle:
+            out = llama.generate(**inputs, **with_cache(llama, handle.new_cache()), **kwargs)
+            assert attention.FORWARD_CACHE.get() is None
+            with pytest.raises(RuntimeError):  # float ids: the embedding raises inside the forward
+                llama(input_ids=inputs["input_ids"].float(), **with_cache(llama, handle.new_cache()))
+            assert attention.FORWARD_CACHE.get() is None
+        return out
+
+    expected = generate()
+    forward = attention.kvtool_attention_forward
+
+    def dropping(module, *args, **kw):
+        kw.pop(attention.CACHE_KWARG, None)
+        return forward(module, *args, **kw)
+
+    monkeypatch.setattr(attention, "kvtool_attention_forward", dropping)
+    assert torch.equal(generate(), expected)

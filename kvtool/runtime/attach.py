@@ -28,7 +28,7 @@ from kvtool.profiles.kept_fraction import check_budget
 from kvtool.profiles.whole_cache import rebudget
 from kvtool.profiles.fingerprint import FULL_ATTENTION, SLIDING_ATTENTION
 from kvtool.runtime import architectures, attention
-from kvtool.runtime.attention import CACHE_KWARG
+from kvtool.runtime.attention import CACHE_KWARG, FORWARD_CACHE
 from kvtool.runtime.cache import KvtoolCache
 from kvtool.runtime.draft import generate as draft_generate
 from kvtool.runtime.grouped import GroupedCache
@@ -205,7 +205,7 @@ class KvtoolHandle:
     profile: Profile
     _previous: dict = field(default_factory=dict)
     _plans: list = field(default_factory=list)
-    _hook: object = None  # the forward pre-hook that hands each call's kvtool cache to the attention
+    _hooks: tuple = ()  # the forward hooks that hand each call's kvtool cache to the attention
     attached: bool = True
     min_kept: int = 0  # the floor `attach` was given; caches for other profiles keep it too
 
@@ -257,9 +257,9 @@ class KvtoolHandle:
 
     def detach(self) -> None:
         if self.attached:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = ()
             self.model.set_attn_implementation(self._previous)
             self.attached = False
 
@@ -287,17 +287,24 @@ def _forward_pre_hook(image_tokens: tuple[int, ...]):
     the attention function under CACHE_KWARG (attention.py says why), and on the forward that fills
     the cache hands it the prompt's image-token mask: `input_ids` in `image_tokens` and not padding
     (vision-language models; `image_tokens` is empty for text models). Calls with any other cache
-    pass through untouched."""
+    pass through untouched. The cache is also the forward's FORWARD_CACHE until `_forward_done`."""
 
     def hook(module, args, kwargs):
         cache = passed_cache(kwargs)
         if not isinstance(cache, (KvtoolCache, GroupedCache, HeldCache)):
+            FORWARD_CACHE.set(None)
             return None
+        FORWARD_CACHE.set(cache)
         if image_tokens and isinstance(cache, KvtoolCache) and cache.awaiting_prompt:
             cache.set_image_mask(_image_mask(args, kwargs, image_tokens))
         return args, {**kwargs, CACHE_KWARG: cache}
 
     return hook
+
+
+def _forward_done(module, args, output):
+    """Clears FORWARD_CACHE when the model's forward returns or raises (`always_call`)."""
+    FORWARD_CACHE.set(None)
 
 
 def _image_mask(args: tuple, kwargs: dict, image_tokens: tuple[int, ...]) -> torch.Tensor | None:
@@ -370,5 +377,8 @@ def attach(model, profile: Profile, *, min_kept: int = 0) -> KvtoolHandle:
                 f"({', '.join(target) or 'none'}); kvtool cannot switch its attention"
             )
         model.set_attn_implementation(target)
-    hook = model.register_forward_pre_hook(_forward_pre_hook(image_token_ids(config)), with_kwargs=True)
-    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=plans, _hook=hook, min_kept=min_kept)
+    hooks = (
+        model.register_forward_pre_hook(_forward_pre_hook(image_token_ids(config)), with_kwargs=True),
+        model.register_forward_hook(_forward_done, always_call=True),
+    )
+    return KvtoolHandle(model=model, profile=profile, _previous=previous, _plans=plans, _hooks=hooks, min_kept=min_kept)

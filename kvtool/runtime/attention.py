@@ -20,12 +20,18 @@ itself does not arrive: the attention module takes it as a named argument (`cach
 pre-hook on the model (torch's public hook API) that passes each call's KvtoolCache on under
 `CACHE_KWARG`, and the attention function reads `cache.layers[module.layer_idx]`: the layer the
 module has just updated, by the very index it updated it with. Each call carries its own cache, so
-no state outside the call is needed and threads or interleaved caches cannot mix layers up. A
-forward on a sub-module (say `model.model`) bypasses the hook: its kvtool cache stays uncompressed
-and the next forward refuses it with a one-line error (CompressingLayer.update).
+threads or interleaved caches cannot mix layers up. Some families' models do not pass their
+forward's keyword arguments on to the attention (Falcon since transformers 5.25): for them the hook
+also sets `FORWARD_CACHE`, a context variable (one value per thread) that holds the cache of the
+model forward in progress and is cleared when it returns, and the function reads it when the
+keyword is missing. A forward on a sub-module (say `model.model`) bypasses the hook: its kvtool
+cache stays uncompressed and the next forward refuses it with a one-line error
+(CompressingLayer.update).
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
@@ -44,6 +50,8 @@ from kvtool.runtime.layer.recorded_window import RecordedWindowLayer
 ATTENTION_NAME = "kvtool"
 # The forward keyword argument that carries the KvtoolCache from the model's forward to this function.
 CACHE_KWARG = "kvtool_cache"
+# The same cache for models whose forward drops keyword arguments before the attention (see above).
+FORWARD_CACHE: ContextVar = ContextVar("kvtool_forward_cache", default=None)
 
 
 def kvtool_attention_forward(
@@ -56,7 +64,8 @@ def kvtool_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    layer = _cache_layer(module, kwargs.pop(CACHE_KWARG, None))
+    passed = kwargs.pop(CACHE_KWARG, None)
+    layer = _cache_layer(module, FORWARD_CACHE.get() if passed is None else passed)
     scale = layer_scale(module, scaling, query, kwargs)
     if not is_plain(scale):
         # Honoured through `scale` from here on; sdpa_attention_forward must not see them.
