@@ -119,7 +119,8 @@ def test_reported_bytes_are_the_stored_rows_and_stay_at_the_byte_budget(spec):
         assert layer.keys.shape[3] == keys_bytes and layer.values.shape[3] == values_bytes
         assert layer.physical_bytes() == sum(
             t.numel() * t.element_size() for t in (layer.keys, layer.values, layer.valid, layer.order, layer.frozen,
-                                                   layer.score, layer.image, layer.attention) if t is not None)
+                                                   layer.score, layer.image, layer.attention, layer._prompt_rank)
+            if t is not None)
         held, tokens = int(layer.kept.max()), int(layer.tokens.max())
         assert held == pytest.approx(entries * tokens, abs=1) and slots >= held
     full = kv_bytes_full(cache)

@@ -381,3 +381,23 @@ def test_a_model_that_drops_forward_kwargs_still_reaches_its_cache(llama, monkey
 
     monkeypatch.setattr(attention, "kvtool_attention_forward", dropping)
     assert torch.equal(generate(), expected)
+
+
+def test_the_prompt_ranks_are_counted_while_held_and_freed_once_generation_starts(llama):
+    """The compressed prompt's ranks (for re-freezing it with another truncation distance) are held
+    only between the prompt and the first new token, and counted in the layer's bytes while held."""
+    inputs = left_pad(prompts([40, 33]))
+    with torch.no_grad(), attach(llama, uniform_profile(llama, 0.3)) as handle:
+        cache = handle.new_cache()
+        llama(**inputs, **with_cache(llama, cache))
+        layer = cache.layers[0]
+        rank = layer._prompt_rank
+        assert rank is not None
+        without = layer.physical_bytes() - rank.numel() * rank.element_size()
+        assert without == sum(t.numel() * t.element_size() for t in (layer.keys, layer.values, layer.valid, layer.order,
+                              layer.frozen, layer.score, layer.image, layer.attention) if t is not None)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1)
+        llama(input_ids=torch.tensor([[5], [6]]), attention_mask=mask, **with_cache(llama, cache))
+        assert all(layer._prompt_rank is None for layer in cache.compressing_layers().values())
+        with pytest.raises(KvtoolError, match="truncation distance"):
+            cache.set_truncation_distance(4)

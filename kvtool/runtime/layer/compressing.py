@@ -135,6 +135,8 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
                     "kvtool compresses the whole prompt in one forward; later forwards must feed one token at a time "
                     "(chunked prefill and multi-token continuation are not supported)"
                 )
+            # The prompt's ranks serve only `set_truncation_distance`, which a started generation refuses.
+            self._prompt_rank = None
             if self.fixed is not None:
                 self._place_fixed(key_states, value_states)
             else:
@@ -191,7 +193,8 @@ class CompressingLayer(PromptCompression, ImageEntries, SlotPlacement, DecodeEvi
     def physical_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score, self.image, self.attention]
+        tensors = [self.keys, self.values, self.valid, self.order, self.frozen, self.score, self.image, self.attention,
+                   self._prompt_rank]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def full_bytes(self) -> int:
