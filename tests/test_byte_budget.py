@@ -304,3 +304,35 @@ def test_a_hybrid_model_gets_the_storage_stage_under_its_whole_cache_budget():
     trials = run.profile.calibration.storages
     assert [t.storage for t in trials] == [AS_SEARCHED, "int8"] and sum(bool(t.shipped) for t in trials) == 1
     assert whole_cache.shares(run.profile, 64)["all"] <= 0.5 + 0.01
+
+
+def test_the_search_runs_at_the_entries_its_format_keeps_and_each_candidate_at_the_budgets_bytes():
+    """Without a storage per layer, calibration searches where the profile will live: at the share of
+    entries the first quantized format keeps at the budget's bytes (at the model's precision); the
+    storage stage then measures that recipe at the model's precision and at the format, each
+    re-derived to the budget's bytes, and ships one of them."""
+    from kvtool.calibration.runner import calibrate
+    from kvtool.calibration.storage import NATIVE_NAME, search_level
+    from kvtool.runtime.precision import entries_for
+
+    tiny = sharpened_llama((400.0, 60.0, 1.0))
+    int8 = KVStorage.parse("int8")
+    level = search_level(0.1, [int8], tiny.model, per_layer=False, hybrid=False)
+    assert level == entries_for(0.1, int8, tiny.model) and 0.1 < level < 1.0
+    # Where the search spends the bytes itself, the windows share them, nothing is quantized, or the
+    # format keeps every entry: the search runs at the budget.
+    assert search_level(0.1, [int8], tiny.model, per_layer=True, hybrid=False) == 0.1
+    assert search_level(0.1, [int8], tiny.model, per_layer=False, hybrid=True) == 0.1
+    assert search_level(0.1, [NATIVE], tiny.model, per_layer=False, hybrid=False) == 0.1
+    assert search_level(0.9, [int8], tiny.model, per_layer=False, hybrid=False) == 0.9
+    run = calibrate(tiny, 0.1, data=word_prompts(6), samples=4, seed=1, reference_tokens=6, candidates=(0,),
+                    search=None, kv_formats=("int8",), max_prompt_overhead=None)
+    trials = run.profile.calibration.storages
+    assert [t.storage for t in trials] == [NATIVE_NAME, "int8"] and sum(bool(t.shipped) for t in trials) == 1
+    assert run.profile.budget == 0.1 and byte_share(run.profile) == pytest.approx(0.1, abs=1e-6)
+    # The allocation the search ran on is at the format's entries; the shipped storage keeps the
+    # entries its bytes buy (int8: the search's own; native: the budget's).
+    assert np.mean(run.allocation.ratios) == pytest.approx(level, abs=0.01)
+    shipped = next(t for t in trials if t.shipped)
+    kept = [layer.ratio for layer in run.profile.layers if layer.compress]
+    assert np.mean(kept) == pytest.approx(level if shipped.storage == "int8" else 0.1, abs=0.01)

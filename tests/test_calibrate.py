@@ -576,7 +576,9 @@ def test_builtin_smollm2_profiles_are_calibrated_and_rebudgetable(budget: float)
     if shipped is not None and shipped.storage != AS_SEARCHED:
         # The storage stage shipped the searched recipe at one storage in every layer, at the same bytes.
         assert {(layer.keys_format, layer.values_format) for layer in profile.layers} == {(KVStorage.parse(shipped.storage).keys, KVStorage.parse(shipped.storage).values)}
-        assert shipped.held_out_ppl <= next(t for t in info.storages if t.storage == AS_SEARCHED).held_out_ppl
+        # ... confirmed by the held-out prompts against the first trial: the search's own profile, or
+        # (searched at a format's entries) its recipe at the model's precision, at the same bytes.
+        assert shipped.held_out_ppl <= info.storages[0].held_out_ppl
     else:
         assert compressed_ratios(profile).mean() == pytest.approx(budget, abs=1e-9)
     # scripts/build_builtin_profiles.sh calibrates on 20 prompts (the command's default is 12).

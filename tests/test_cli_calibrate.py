@@ -215,19 +215,20 @@ def test_budget_tokens_default_is_the_library_default() -> None:
 def test_kv_formats_default_is_the_library_default_and_reaches_the_profile(
     calibrated: Path, tiny_llama_dir: Path, data_file: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """`--kv-formats` defaults to int8: the searched recipe is measured at int8 beside the model's own
-    precision, and the profile records both trials; `per-layer` asks each layer to choose, which needs
+    """`--kv-formats` defaults to int8: the recipe, searched at the entries int8 keeps at the budget's
+    bytes, is measured at int8 and at the model's own precision, both at those bytes, and the profile
+    records both trials; `per-layer` asks each layer to choose, which needs
     the layers' measured losses (a one-line error without them)."""
     import inspect
 
     from kvtool.calibration.config import DEFAULT_KV_FORMATS
-    from kvtool.calibration.storage import AS_SEARCHED
+    from kvtool.calibration.storage import NATIVE_NAME
     from kvtool.cli.calibrate import KV_FORMATS_DEFAULT, calibrate_command
 
     assert inspect.signature(calibrate_command).parameters["kv_formats"].default == KV_FORMATS_DEFAULT
     assert tuple(KV_FORMATS_DEFAULT.split(",")) == DEFAULT_KV_FORMATS
     trials = read_profile(calibrated).calibration.storages
-    assert [t.storage for t in trials] == [AS_SEARCHED, "int8"] and sum(bool(t.shipped) for t in trials) == 1
+    assert [t.storage for t in trials] == [NATIVE_NAME, "int8"] and sum(bool(t.shipped) for t in trials) == 1
     out = tmp_path / "q.yaml"
     code, _, err = run(monkeypatch, capsys, "calibrate", str(tiny_llama_dir), "--budget", "0.5", "--samples", "2",
                        "--data", str(data_file), "--papers", "--kv-formats", "int8,per-layer", "--out", str(out))
@@ -276,8 +277,15 @@ def test_inspect_gini_json_contract(calibrated: Path, monkeypatch, capsys) -> No
     assert [list(layer) for layer in doc["layers"]] == [keys] * len(profile.layers)
     assert [layer["layer"] for layer in doc["layers"]] == list(range(len(profile.layers)))
     assert [layer["ratio"] for layer in doc["layers"]] == profile.ratios
-    assert np.mean([layer["ratio"] for layer in doc["layers"]]) == pytest.approx(0.3, abs=1e-12)
-    assert np.mean([layer["prefixkv_ratio"] for layer in doc["layers"]]) == pytest.approx(0.3, abs=1e-12)
+    # The budget is bytes: 0.3 of them at the storage calibration shipped (the default measures int8).
+    from kvtool.profiles.byte_budget import byte_share
+    from kvtool.profiles.entry_bytes import entry_share
+
+    layer = profile.layers[0]
+    entries = min(1.0, 0.3 / entry_share(layer.keys_format, layer.values_format, profile.model.head_dim, profile.native_bytes or 4))
+    assert byte_share(profile) == pytest.approx(0.3, abs=1e-9)
+    assert np.mean([layer["ratio"] for layer in doc["layers"]]) == pytest.approx(entries, abs=1e-9)
+    assert np.mean([layer["prefixkv_ratio"] for layer in doc["layers"]]) == pytest.approx(entries, abs=1e-9)
 
 
 def test_inspect_gini_table(calibrated: Path, monkeypatch, capsys) -> None:

@@ -35,7 +35,7 @@ from kvtool.calibration.recipes import seed_recipes, stage_options
 from kvtool.calibration.statistics import ImportanceStats, kept_image_share
 from kvtool.calibration.truncation import TruncationResult
 from kvtool.calibration.search import ChosenRecipe, choose_recipe
-from kvtool.calibration.storage import AS_SEARCHED, choose_storage
+from kvtool.calibration.storage import AS_SEARCHED, choose_storage, search_level
 from kvtool.calibration.windows import WindowChoice, choose_windows
 from kvtool.data import Record, load_jsonl, select_by_kind, select_samples, split_by_kind
 from kvtool.data.long_prompts import long_prompts
@@ -257,7 +257,10 @@ def calibrate(
     queries = measured.query_stats
     fingerprint = fingerprint_of(loaded.model, name=loaded.name)
     importance = measured.stats_by_scorer["attention-sum"]
-    allocated = {key: allocate(stats, budget) for key, stats in measured.stats_by_scorer.items()}
+    # The search runs at the entries the profile will keep (`calibration.storage.search_level`);
+    # the storage stage brings its recipe back to the budget's bytes.
+    level = search_level(budget, storages, loaded.model, per_layer=bool(per_layer), hybrid=hybrid)
+    allocated = {key: allocate(stats, level) for key, stats in measured.stats_by_scorer.items()}
     losses = None
     if by_measured_loss:
         losses = measure_layer_losses(
@@ -265,7 +268,7 @@ def calibrate(
             storages=[(s.keys, s.values) for s in per_layer],
         )
         allocated["measured"] = (
-            by_bytes(losses, budget, fingerprint.head_dim, native_bytes(loaded.model)) if per_layer else by_loss(losses, budget)
+            by_bytes(losses, budget, fingerprint.head_dim, native_bytes(loaded.model)) if per_layer else by_loss(losses, level)
         )
 
     def curves_of(settings: MethodSettings) -> str:
@@ -277,7 +280,7 @@ def calibrate(
     def ratios_of(settings: MethodSettings):
         """The `Allocated` ratios `settings`' ratio source gives."""
         if settings.ratios == "uniform":
-            return uniform(allocated["attention-sum"], budget)
+            return uniform(allocated["attention-sum"], level)
         return allocated["measured" if settings.ratios == "measured" else curves_of(settings)]
 
     def profile_for(settings: MethodSettings) -> Profile:
@@ -287,7 +290,7 @@ def calibrate(
         ratios = ratios_of(settings)
         kept = dict(zip(importance.layers, ratios.allocation.ratios))
         built = build_profile(
-            fingerprint, budget, settings, importance, ratios,
+            fingerprint, level, settings, importance, ratios,
             kept_image_share(measured.images, kept, settings),
             scorer_stats=measured.stats_by_scorer[source] if source != "attention-sum" else None,
             losses=losses if settings.ratios == "measured" else None,

@@ -160,10 +160,11 @@ def calibrate_command(
         str,
         typer.Option(
             "--kv-formats",
-            help="Storages the searched recipe is also measured at, every layer at one, its entries re-derived to "
-            "the same bytes, comma-separated (int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES such as int8/int4-g32): "
-            "the lowest PPL on the prompts that choose ships where the held-out prompts confirm it against the model's "
-            "own precision. 'native': the model's precision only. Add 'per-layer' (int8,int4-g32,per-layer) for each "
+            help="Storages to spend the bytes at, comma-separated (int8, fp8, int4, int4-g32, int2-g32, or KEYS/VALUES "
+            "such as int8/int4-g32): the recipe search runs at the entries the first keeps at the budget's bytes, then "
+            "the recipe is measured at each and at the model's precision, every layer at one, its entries re-derived to "
+            "the same bytes; the lowest PPL on the prompts that choose ships where the held-out prompts confirm it "
+            "against the model's own precision. 'native': the model's precision only. Add 'per-layer' (int8,int4-g32,per-layer) for each "
             "layer to choose its storage with its entries by measured loss within the bytes (models without "
             "sliding-window layers; slower, and on SmolLM2 no better).",
         ),
