@@ -244,7 +244,8 @@ class RecipeTrial:
 class StorageTrial:
     """The shipped recipe measured by calibration's storage stage (`kvtool.calibration.storage`) at
     one storage, at the same bytes: `as searched` is the recipe search's own profile, a format name
-    every layer storing that format with its entries re-derived to the budget's bytes."""
+    every layer storing that format with its entries re-derived to the budget's bytes (`native`: the
+    model's own precision, for a search run at a format's entries)."""
 
     storage: str
     ppl: float = field(metadata=rule(low=0, open_low=True))  # on the prompts that choose
